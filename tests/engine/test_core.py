@@ -1,0 +1,171 @@
+"""EngineCore on a tiny random model: paged, batched, chunked and forked runs agree with a plain dense forward."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.engine.tiny import ByteTokenizer, tiny_core
+from tokenmill.engine.core import EngineCore
+from tokenmill.engine.outputs import FinishReason, RequestOutput
+from tokenmill.engine.sampling import SamplingParams
+
+TOK = ByteTokenizer()
+
+
+def run_all(core: EngineCore, max_steps: int = 2000) -> dict[str, list[RequestOutput]]:
+    outputs: dict[str, list[RequestOutput]] = {}
+    for _ in range(max_steps):
+        for out in core.step():
+            outputs.setdefault(out.request_id, []).append(out)
+        if not core.has_work:
+            return outputs
+    raise AssertionError("engine did not finish")
+
+
+def choice_tokens(outs: list[RequestOutput], index: int = 0) -> list[int]:
+    return [t for o in outs for d in o.deltas if d.index == index for t in d.token_ids]
+
+
+def choice_text(outs: list[RequestOutput], index: int = 0) -> str:
+    return "".join(d.text for o in outs for d in o.deltas if d.index == index)
+
+
+def dense_greedy(core: EngineCore, prompt: list[int], steps: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(steps):
+        logits = core.runner.model.forward_dense(torch.tensor(ids))
+        ids.append(int(torch.argmax(logits[-1])))
+    return ids[len(prompt) :]
+
+
+def greedy(max_tokens: int, **kw: object) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, logit_bias={TOK.eos_id: -100.0}, **kw)  # type: ignore[arg-type]
+
+
+def test_greedy_matches_dense_forward() -> None:
+    core = tiny_core()
+    prompt = TOK.encode("hello paged world")
+    core.add_request("a", prompt, greedy(12))
+    outs = run_all(core)["a"]
+    assert choice_tokens(outs) == dense_greedy(core, prompt, 12)
+    assert outs[-1].finished and outs[-1].deltas[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_batched_and_chunked_runs_equal_single_runs() -> None:
+    prompts = [TOK.encode(t) for t in ("a", "the quick brown fox jumps over the lazy dog " * 3, "xyz", "hello")]
+    single = []
+    for i, p in enumerate(prompts):
+        core = tiny_core()
+        core.add_request(str(i), p, greedy(10))
+        single.append(choice_tokens(run_all(core)[str(i)]))
+    core = tiny_core(max_num_batched_tokens=16)  # forces chunked prefill next to decodes
+    for i, p in enumerate(prompts):
+        core.add_request(str(i), p, greedy(10))
+    batched = run_all(core)
+    assert [choice_tokens(batched[str(i)]) for i in range(len(prompts))] == single
+    assert core.stats.steps_with_multiple_seqs > 0
+    assert core.blocks.num_used == 0
+
+
+def test_request_joins_mid_flight() -> None:
+    core = tiny_core()
+    core.add_request("first", TOK.encode("one"), greedy(20))
+    for _ in range(3):
+        core.step()
+    core.add_request("second", TOK.encode("two"), greedy(5))
+    core.step()
+    assert {s.request_id for s in core.scheduler.running} == {"first", "second"}
+    run_all(core)
+    assert core.stats.max_seqs_in_step == 2
+
+
+def test_prefix_cache_reuses_blocks_and_reports_cached_tokens() -> None:
+    core = tiny_core()
+    prompt = TOK.encode("a shared prefix of some length, then more")
+    core.add_request("a", prompt, greedy(4))
+    first = run_all(core)["a"]
+    core.add_request("b", prompt, greedy(4))
+    second = run_all(core)["b"]
+    assert first[0].num_cached_tokens == 0
+    assert second[0].num_cached_tokens == (len(prompt) - 1) // 4 * 4
+    assert choice_tokens(first) == choice_tokens(second)
+
+
+def test_n_forks_share_the_prompt_and_seeds_differ_per_choice() -> None:
+    core = tiny_core()
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=7, n=3, logit_bias={TOK.eos_id: -100.0})
+    core.add_request("r", TOK.encode("fork me"), params)
+    outs = run_all(core)["r"]
+    choices = [choice_tokens(outs, j) for j in range(3)]
+    assert all(len(c) == 8 for c in choices)
+    assert len({tuple(c) for c in choices}) > 1
+    assert core.stats.tokens_computed == len(TOK.encode("fork me")) + 3 * 7  # prompt prefilled once
+    again = tiny_core()
+    again.add_request("r", TOK.encode("fork me"), params)
+    again_outs = run_all(again)["r"]
+    assert [choice_tokens(again_outs, j) for j in range(3)] == choices
+    assert core.blocks.num_used == 0
+
+
+def test_prompt_logprobs_equal_dense_log_softmax() -> None:
+    core = tiny_core(max_num_batched_tokens=8)  # scored across several chunks
+    prompt = TOK.encode("score this prompt please")
+    core.add_request("s", prompt, SamplingParams(max_tokens=0, prompt_logprobs=2, temperature=0.0))
+    outs = run_all(core)["s"]
+    entries = outs[0].prompt_logprobs
+    assert entries is not None and len(entries) == len(prompt)
+    assert entries[0].logprob is None
+    ref = torch.log_softmax(core.runner.model.forward_dense(torch.tensor(prompt)), dim=-1)
+    for pos in range(1, len(prompt)):
+        assert abs(entries[pos].logprob - float(ref[pos - 1, prompt[pos]])) < 1e-4
+        assert entries[pos].top[0][0] == int(torch.argmax(ref[pos - 1]))
+    assert choice_tokens(outs) == [] and outs[-1].deltas[0].finish_reason is FinishReason.LENGTH
+
+
+def test_stop_string_is_cut_and_finishes() -> None:
+    core = tiny_core()
+    prompt = TOK.encode("abc")
+    ref_text = TOK.decode(dense_greedy(core, prompt, 12))
+    stop = ref_text[3:5]
+    core.add_request("s", prompt, greedy(12, stop=(stop,)))
+    outs = run_all(core)["s"]
+    text = choice_text(outs)
+    assert text == ref_text[: ref_text.index(stop)]
+    assert outs[-1].deltas[-1].finish_reason is FinishReason.STOP
+
+
+def test_preemption_under_tiny_cache_gives_the_same_text() -> None:
+    prompts = [TOK.encode(f"prompt number {i}") for i in range(4)]
+    roomy = tiny_core()
+    for i, p in enumerate(prompts):
+        roomy.add_request(str(i), p, greedy(24))
+    expected = run_all(roomy)
+    tight = tiny_core(num_kv_blocks=20)
+    for i, p in enumerate(prompts):
+        tight.add_request(str(i), p, greedy(24))
+    got = run_all(tight)
+    assert tight.scheduler.num_preemptions > 0
+    for i in range(4):
+        assert choice_tokens(got[str(i)]) == choice_tokens(expected[str(i)])
+    assert tight.blocks.num_used == 0
+
+
+def test_abort_frees_blocks() -> None:
+    core = tiny_core()
+    core.add_request("x", TOK.encode("to be cancelled"), greedy(50))
+    for _ in range(3):
+        core.step()
+    assert core.blocks.num_used > 0
+    core.abort("x")
+    assert core.blocks.num_used == 0 and not core.has_work
+
+
+def test_logprobs_entries_match_generated_tokens() -> None:
+    core = tiny_core()
+    core.add_request("l", TOK.encode("hi"), greedy(5, logprobs=3))
+    outs = run_all(core)["l"]
+    entries = [e for o in outs for d in o.deltas for e in (d.logprobs or [])]
+    assert [e.token_id for e in entries] == choice_tokens(outs)
+    for e in entries:
+        assert len(e.top) == 3 and e.top[0][0] == e.token_id  # greedy: the chosen token is the most likely
+        assert e.logprob is not None and abs(e.logprob - e.top[0][2]) < 1e-6

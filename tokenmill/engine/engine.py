@@ -1,0 +1,162 @@
+"""AsyncEngine: the asyncio face of the engine, with the step loop running in one worker thread.
+
+Requests and aborts arriving from the event loop are queued in an inbox that the worker drains at the start of every
+step, so a request that arrives while others run joins the very next step (continuous batching), and an abort frees
+its blocks within one step. Only the worker thread touches EngineCore.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import threading
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+from torch import nn
+
+from tokenmill import __version__
+from tokenmill.config import Config
+from tokenmill.engine.core import EngineCore, EngineStats
+from tokenmill.engine.kv_cache import BlockManager, kv_bytes_per_token
+from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.runner import ModelRunner
+from tokenmill.engine.sampling import SamplingParams
+from tokenmill.engine.scheduler import Scheduler
+from tokenmill.model.model_config import ModelConfig
+from tokenmill.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+_Add = tuple[str, list[int], SamplingParams]
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore, model_name: str, system_fingerprint: str) -> None:
+        self.core = core
+        self.tokenizer: Tokenizer = core.tokenizer
+        self.model_name = model_name
+        self.system_fingerprint = system_fingerprint
+        self.max_model_len = core.max_model_len
+        self._lock = threading.Lock()
+        self._adds: list[_Add] = []
+        self._aborts: list[str] = []
+        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-engine")
+
+    # ---- lifecycle ----
+    async def start(self) -> None:
+        self._wakeup = asyncio.Event()
+        self._task = asyncio.create_task(self._run(), name="tokenmill-engine-loop")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._executor.shutdown(wait=True)
+
+    def is_healthy(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return self.core.snapshot_stats()
+
+    # ---- requests ----
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._queues[request_id] = queue
+        with self._lock:
+            self._adds.append((request_id, list(prompt_token_ids), params))
+        self._wake()
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    # ---- the loop ----
+    async def _run(self) -> None:
+        assert self._wakeup is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._has_pending():
+                self._wakeup.clear()
+                if not self._has_pending():
+                    await self._wakeup.wait()
+                continue
+            outputs = await loop.run_in_executor(self._executor, self._step)
+            for out in outputs:
+                queue = self._queues.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(out)
+
+    def _has_pending(self) -> bool:
+        with self._lock:
+            return bool(self._adds or self._aborts or self.core.has_work)
+
+    def _step(self) -> list[RequestOutput]:
+        with self._lock:
+            adds, self._adds = self._adds, []
+            aborts, self._aborts = self._aborts, []
+            for request_id in aborts:
+                self.core.abort(request_id)
+            for request_id, ids, params in adds:
+                if request_id in aborts:
+                    continue
+                self.core.add_request(request_id, ids, params)
+        try:
+            return self.core.step()
+        except Exception as exc:  # one bad step fails the requests in flight, not the server
+            log.exception("engine step failed")
+            return self._fail_all(f"engine error: {type(exc).__name__}: {exc}")
+
+    def _fail_all(self, message: str) -> list[RequestOutput]:
+        outputs = []
+        with self._lock:
+            for request_id, state in list(self.core.requests.items()):
+                self.core.abort(request_id)
+                outputs.append(RequestOutput(request_id, [], state.prompt_ids, finished=True, error=message))
+        return outputs
+
+
+def system_fingerprint(source_id: str, config: Config) -> str:
+    """Changes when, and only when, something that can change outputs changes: weights, dtype, engine version."""
+    key = f"{source_id}|{config.dtype}|{__version__}"
+    return "fp_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def build_engine_core(model: nn.Module, tokenizer: Tokenizer, config: Config) -> EngineCore:
+    """Sizes the KV cache from the config and wires the core's parts together."""
+    cfg: ModelConfig = model.config
+    dtype = next(model.parameters()).dtype
+    block_bytes = kv_bytes_per_token(cfg, dtype) * config.block_size
+    num_blocks = config.num_kv_blocks or max((config.kv_cache_mb << 20) // block_bytes, 1)
+    capacity = num_blocks * config.block_size
+    model_len = cfg.max_position_embeddings
+    max_model_len = min(config.max_model_len or min(model_len, DEFAULT_MAX_MODEL_LEN), model_len, capacity)
+    blocks = BlockManager(num_blocks, config.block_size)
+    scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens)
+    runner = ModelRunner(model, cfg, num_blocks, config.block_size)
+    eos_ids = {tokenizer.eos_id} if tokenizer.eos_id is not None else set()
+    return EngineCore(runner, tokenizer, blocks, scheduler, eos_ids, max_model_len)

@@ -1,0 +1,134 @@
+"""Paged KV cache bookkeeping: fixed-size blocks, a free list, reference counts and prefix-cache hashes.
+
+The tensors themselves are plain per-layer (num_blocks * block_size, kv_heads, head_dim) buffers; this file only
+decides which slots a sequence owns. A full block of prompt tokens is remembered by a hash of its tokens chained with
+the previous block's hash, so a later prompt with the same prefix reuses the block instead of recomputing it. Freed
+blocks keep their hash until they are handed out again, so a cache hit can revive them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.model.model_config import ModelConfig
+
+
+def allocate_kv_tensors(
+    cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+    return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+
+
+def block_hash(parent: int | None, tokens: Seq[int]) -> int:
+    return hash((parent, tuple(tokens)))
+
+
+@dataclass
+class Allocation:
+    blocks: list[int]
+    num_cached_tokens: int  # leading tokens whose KV is already in the reused blocks
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.ref_counts = [0] * num_blocks
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # oldest first
+        self.hash_to_block: dict[int, int] = {}
+        self.block_to_hash: dict[int, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def allocate_prompt(self, tokens: Seq[int], use_cache: bool) -> Allocation | None:
+        """Blocks for a whole prompt, reusing cached full blocks of its prefix; None if they don't fit now.
+
+        Only blocks inside tokens[:-1] are matched: the last prompt token is always computed, since its logits are
+        needed and its KV must not be written into a block another sequence shares.
+        """
+        cached = self._match_prefix(tokens) if use_cache else []
+        fresh_needed = self.blocks_needed(len(tokens)) - len(cached)
+        revived = sum(1 for b in cached if self.ref_counts[b] == 0)
+        if fresh_needed > self.num_free - revived:
+            return None
+        for b in cached:
+            self._take(b)
+        blocks = cached + [self._take_fresh() for _ in range(fresh_needed)]
+        return Allocation(blocks, len(cached) * self.block_size)
+
+    def _match_prefix(self, tokens: Seq[int]) -> list[int]:
+        matched: list[int] = []
+        parent: int | None = None
+        for start in range(0, len(tokens) - 1 - self.block_size + 1, self.block_size):
+            h = block_hash(parent, tokens[start : start + self.block_size])
+            block = self.hash_to_block.get(h)
+            if block is None:
+                break
+            matched.append(block)
+            parent = h
+        return matched
+
+    def can_append(self) -> bool:
+        return self.num_free > 0
+
+    def append_block(self) -> int:
+        return self._take_fresh()
+
+    def fork(self, blocks: list[int], num_tokens: int) -> tuple[list[int], tuple[int, int] | None]:
+        """Share a sequence's full blocks with a child; its partial last block is copied: returns (src, dst)."""
+        full = num_tokens // self.block_size
+        shared = blocks[:full]
+        for b in shared:
+            self._take(b)
+        if full == len(blocks):
+            return shared, None
+        dst = self._take_fresh()
+        return shared + [dst], (blocks[full], dst)
+
+    def register_full_blocks(self, tokens: Seq[int], blocks: list[int], num_computed: int) -> None:
+        """Remember the hashes of the computed full blocks so later prompts can reuse them."""
+        parent: int | None = None
+        for i in range(num_computed // self.block_size):
+            h = block_hash(parent, tokens[i * self.block_size : (i + 1) * self.block_size])
+            b = blocks[i]
+            if b not in self.block_to_hash and h not in self.hash_to_block:
+                self.hash_to_block[h] = b
+                self.block_to_hash[b] = h
+            parent = h
+
+    def free_blocks(self, blocks: list[int]) -> None:
+        for b in reversed(blocks):  # tail blocks first, so prefix blocks stay cached the longest
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                self.free[b] = None
+
+    def _take(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self.free[block]
+        self.ref_counts[block] += 1
+
+    def _take_fresh(self) -> int:
+        block, _ = self.free.popitem(last=False)
+        old = self.block_to_hash.pop(block, None)
+        if old is not None:
+            del self.hash_to_block[old]
+        self.ref_counts[block] = 1
+        return block

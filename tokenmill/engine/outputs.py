@@ -1,0 +1,48 @@
+"""What the engine hands back: plain dataclasses of ids, text and logprobs (no HTTP, no pydantic)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_tokens (or the context) reached
+    ABORT = "abort"  # cancelled: client gone, timeout, engine fault
+
+
+@dataclass
+class TokenLogprob:
+    """One token with the model's own log-probability and the top-k alternatives (sorted, best first)."""
+
+    token_id: int
+    text: str  # the text this token added to the output ("" while a UTF-8 character is still incomplete)
+    logprob: float | None  # None for the first prompt token, which has no context to be predicted from
+    top: list[tuple[int, str, float]] = field(default_factory=list)  # (token id, token text, logprob)
+
+
+@dataclass
+class SequenceDelta:
+    """New progress of one choice since its previous delta."""
+
+    index: int  # which of the request's n sequences
+    text: str  # new visible text: never half a UTF-8 character, never (part of) a stop string
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None  # aligned with token_ids when logprobs were asked for
+    finish_reason: FinishReason | None = None
+    cumulative_logprob: float = 0.0  # sum of chosen-token logprobs so far (ranks best_of)
+    num_tokens: int = 0  # tokens generated so far in total
+
+
+@dataclass
+class RequestOutput:
+    """One engine step's worth of news for one request."""
+
+    request_id: str
+    deltas: list[SequenceDelta]
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    prompt_logprobs: list[TokenLogprob] | None = None  # set once, on the first output, when asked for
+    finished: bool = False  # every sequence of the request is done
+    error: str | None = None  # the request failed inside the engine; its sequences are aborted

@@ -1,0 +1,70 @@
+"""ModelRunner: scheduled sequences → input ids, positions and attention metadata → model → hidden states and logits."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+from torch import nn
+
+from tokenmill.engine.kv_cache import allocate_kv_tensors
+from tokenmill.engine.scheduler import Scheduled
+from tokenmill.model.layers import AttentionMetadata
+from tokenmill.model.model_config import ModelConfig
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.block_size = block_size
+        self.dtype = next(model.parameters()).dtype
+        self.kv_caches = allocate_kv_tensors(cfg, num_blocks, block_size, self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, batch: Seq[Scheduled]) -> torch.Tensor:
+        """Runs the step's tokens through the model; returns final hidden states (T, hidden), batch order."""
+        input_ids, positions, meta = self.prepare(batch)
+        return self.model(input_ids, positions, self.kv_caches, meta)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: (N, hidden) → float32 logits (N, V)."""
+        return self.model.compute_logits(hidden)
+
+    def prepare(self, batch: Seq[Scheduled]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[torch.Tensor] = []
+        kv_slots: list[torch.Tensor] = []
+        context_lens: list[int] = []
+        for s in batch:
+            start, end = s.seq.num_computed_tokens, s.seq.num_computed_tokens + s.num_tokens
+            ids.extend(s.seq.token_ids[start:end])
+            pos.extend(range(start, end))
+            seq_slots = self._slots(s.seq.block_table, end)  # (end,)
+            slots.append(seq_slots[start:end])
+            kv_slots.append(seq_slots)
+            context_lens.append(end)
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slots),
+            query_lens=[s.num_tokens for s in batch],
+            context_lens=context_lens,
+            kv_slots=kv_slots,
+        )
+        if all(s.num_tokens == 1 for s in batch):
+            meta.decode_slots = torch.nn.utils.rnn.pad_sequence(kv_slots, batch_first=True)  # (B, L_max)
+            meta.decode_context_lens = torch.tensor(context_lens)
+        return torch.tensor(ids), torch.tensor(pos), meta
+
+    def _slots(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
+        blocks = torch.tensor(block_table, dtype=torch.long)
+        offsets = torch.arange(self.block_size)
+        return (blocks[:, None] * self.block_size + offsets[None, :]).flatten()[:num_tokens]
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one block's K/V in every layer (a forked sequence's private copy of a shared partial block)."""
+        a, b = src * self.block_size, dst * self.block_size
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[b : b + self.block_size] = k_cache[a : a + self.block_size]
+            v_cache[b : b + self.block_size] = v_cache[a : a + self.block_size]

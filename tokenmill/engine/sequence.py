@@ -1,0 +1,88 @@
+"""Sequence: one choice's whole state — tokens, KV blocks, sampling generator, text and finish reason."""
+
+from __future__ import annotations
+
+import itertools
+from enum import Enum, auto
+
+import torch
+
+from tokenmill.engine.detok import IncrementalDetokenizer
+from tokenmill.engine.outputs import FinishReason, TokenLogprob
+from tokenmill.engine.sampling import SamplingParams
+from tokenmill.engine.stop import StopChecker
+
+_ids = itertools.count()
+
+
+class Status(Enum):
+    WAITING = auto()  # not yet holding KV blocks (new, or preempted and to be recomputed)
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    def __init__(
+        self,
+        request_id: str,
+        index: int,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        detok: IncrementalDetokenizer,
+        generator: torch.Generator | None,
+    ) -> None:
+        self.seq_id = next(_ids)
+        self.request_id = request_id
+        self.index = index  # choice index within the request
+        self.token_ids = list(prompt_ids)
+        self.num_prompt_tokens = len(prompt_ids)
+        self.params = params
+        self.status = Status.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = 0  # prompt tokens reused from the prefix cache at first admission
+        self.generator = generator
+        self.detok = detok
+        self.stop = StopChecker(params.stop)
+        self.finish_reason: FinishReason | None = None
+        self.cumulative_logprob = 0.0
+        self.output_counts: dict[int, int] = {}  # generated token id → times generated (penalties)
+        self.prompt_logprobs: list[TokenLogprob] | None = None  # set once every prompt position is scored
+        self.partial_prompt_logprobs: list[TokenLogprob] = []
+        # Output produced since the last time the engine reported on this sequence.
+        self.pending_text = ""
+        self.pending_ids: list[int] = []
+        self.pending_logprobs: list[TokenLogprob] = []
+        self.forked = False  # children created from this prefilled prompt (n > 1)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and self.prompt_logprobs is None
+
+    def append_token(self, token_id: int, logprob: float, entry: TokenLogprob | None) -> None:
+        self.token_ids.append(token_id)
+        self.cumulative_logprob += logprob
+        self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1
+        self.pending_ids.append(token_id)
+        if entry is not None:
+            self.pending_logprobs.append(entry)
+
+    def finish(self, reason: FinishReason) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
