@@ -21,6 +21,7 @@ class ByteTokenizer:
     pad_id, eos_id, bos_id = 0, 1, 2
     pad_token, eos_token, bos_token = "<pad>", "<eos>", "<bos>"
     add_bos = True
+    eos_ids = (1,)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = [NUM_SPECIAL + b for b in text.encode("utf-8")]

@@ -48,6 +48,22 @@ class AsyncEngine:
         self._task: asyncio.Task[None] | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-engine")
 
+    @classmethod
+    def from_config(cls, config: Config) -> AsyncEngine:
+        """Loads (or converts and caches) the model named by the config and builds the engine around it."""
+        import torch
+
+        from tokenmill.model.loader import load_model_files
+        from tokenmill.model.registry import build_model
+
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        loaded = load_model_files(config.model, config.cache_dir, getattr(torch, config.dtype))
+        model = build_model(loaded.config, loaded.state_dict)
+        core = build_engine_core(model, loaded.tokenizer, config)
+        name = config.served_model_name or loaded.name
+        return cls(core, name, system_fingerprint(loaded.source_id, config))
+
     # ---- lifecycle ----
     async def start(self) -> None:
         self._wakeup = asyncio.Event()
@@ -158,5 +174,4 @@ def build_engine_core(model: nn.Module, tokenizer: Tokenizer, config: Config) ->
     blocks = BlockManager(num_blocks, config.block_size)
     scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens)
     runner = ModelRunner(model, cfg, num_blocks, config.block_size)
-    eos_ids = {tokenizer.eos_id} if tokenizer.eos_id is not None else set()
-    return EngineCore(runner, tokenizer, blocks, scheduler, eos_ids, max_model_len)
+    return EngineCore(runner, tokenizer, blocks, scheduler, set(tokenizer.eos_ids), max_model_len)

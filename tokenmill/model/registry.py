@@ -6,9 +6,10 @@ import torch
 from torch import nn
 
 from tokenmill.model.gemma3 import Gemma3ForCausalLM
+from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.model_config import ModelConfig, UnsupportedModelError
 
-ARCHITECTURES: dict[str, type[nn.Module]] = {"gemma3": Gemma3ForCausalLM}
+ARCHITECTURES: dict[str, type[nn.Module]] = {"gemma3": Gemma3ForCausalLM, "llama": LlamaForCausalLM}
 
 
 def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor]) -> nn.Module:

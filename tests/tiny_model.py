@@ -1,0 +1,234 @@
+"""A tiny random-weight Gemma 3 written as a Hugging Face directory (and as GGUF files) for the fast test tier.
+
+The tokenizer is Gemma-shaped (▁ for spaces, byte fallback, merges in vocabulary order, control tokens), small enough
+to build in milliseconds; `transformers` loads the directory too (Gemma3ForCausalLM + AutoTokenizer), so tests can
+compare against it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from tokenmill.gguf_tokenizer import build_gguf_tokenizer
+from tokenmill.tokenizer import Tokenizer
+
+CONTROL = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
+_PIECES = ["\n", "\n\n", "▁", "▁▁", "▁▁▁▁", "\t"] + [chr(c) for c in range(33, 127)]
+_WORDS = ["the", "of", "and", "to", "in", "is", "capital", "France", "Paris", "def", "return", "hello", "world"]
+VOCAB_PAD = 512  # round the vocabulary up with <unusedN> control tokens
+
+
+def tiny_vocab() -> tuple[list[str], list[int]]:
+    """GGUF-style (tokens, llama.cpp token types): control, then bytes, then pieces whose merges follow their order."""
+    tokens, types = list(CONTROL), [3] * len(CONTROL)
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [6] * 256
+    words = [p for w in _WORDS for p in _prefixes("▁" + w)] + [p for w in _WORDS for p in _prefixes(w)]
+    for piece in _PIECES + words:
+        if piece not in tokens:
+            tokens.append(piece)
+            types.append(4 if piece in ("\n", "\n\n", "\t") else 1)
+    while len(tokens) < VOCAB_PAD:
+        tokens.append(f"<unused{len(tokens)}>")
+        types.append(3)
+    return tokens, types
+
+
+def _prefixes(word: str) -> list[str]:
+    return [word[:n] for n in range(2, len(word) + 1)]
+
+
+def tiny_gguf_metadata() -> dict[str, Any]:
+    tokens, types = tiny_vocab()
+    return {
+        "general.architecture": "gemma3",
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": [0.0] * len(tokens),
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.bos_token_id": 2,
+        "tokenizer.ggml.eos_token_id": 1,
+        "tokenizer.ggml.padding_token_id": 0,
+        "tokenizer.ggml.unknown_token_id": 3,
+        "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.ggml.add_eos_token": False,
+    }
+
+
+def tiny_tokenizer() -> Tokenizer:
+    return Tokenizer(*build_gguf_tokenizer(tiny_gguf_metadata()))
+
+
+def tiny_hf_config() -> dict[str, Any]:
+    return {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "vocab_size": VOCAB_PAD,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+        "sliding_window": 8,
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+        "query_pre_attn_scalar": 32,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": True,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "pad_token_id": 0,
+        "torch_dtype": "float32",
+    }
+
+
+def tiny_state_dict(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
+    """HF names; linear weights ~ 1/sqrt(fan_in) so activations stay O(1); norms (used as 1 + w) near zero."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv, hd = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+
+    def rand(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    sd = {"model.embed_tokens.weight": rand(config["vocab_size"], hidden, std=0.5)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes = {
+            "self_attn.q_proj": (heads * hd, hidden),
+            "self_attn.k_proj": (kv * hd, hidden),
+            "self_attn.v_proj": (kv * hd, hidden),
+            "self_attn.o_proj": (hidden, heads * hd),
+            "mlp.gate_proj": (inter, hidden),
+            "mlp.up_proj": (inter, hidden),
+            "mlp.down_proj": (hidden, inter),
+        }
+        for name, (rows, cols) in shapes.items():
+            sd[p + name + ".weight"] = rand(rows, cols, std=cols**-0.5)
+        for norm, dim in (
+            ("input_layernorm", hidden),
+            ("post_attention_layernorm", hidden),
+            ("pre_feedforward_layernorm", hidden),
+            ("post_feedforward_layernorm", hidden),
+            ("self_attn.q_norm", hd),
+            ("self_attn.k_norm", hd),
+        ):
+            sd[p + norm + ".weight"] = rand(dim, std=0.1)
+    sd["model.norm.weight"] = rand(hidden, std=0.1)
+    return sd
+
+
+def write_tiny_model(directory: str | Path, seed: int = 0) -> Path:
+    """config.json, model.safetensors, tokenizer.json + tokenizer/generation configs."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = tiny_hf_config()
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    save_file(tiny_state_dict(config, seed), str(directory / "model.safetensors"))
+    write_tokenizer_files(directory, config["max_position_embeddings"])
+    return directory
+
+
+def write_tokenizer_files(directory: Path, max_length: int) -> None:
+    """The tiny tokenizer as tokenizer.json + tokenizer_config.json + generation_config.json."""
+    tiny_tokenizer().backend.save(str(directory / "tokenizer.json"))
+    tok_config = {
+        "tokenizer_class": "GemmaTokenizer",
+        "bos_token": "<bos>",
+        "eos_token": "<eos>",
+        "pad_token": "<pad>",
+        "unk_token": "<unk>",
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "model_max_length": max_length,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=1))
+    gen_config = {"bos_token_id": 2, "eos_token_id": [1, 6], "pad_token_id": 0}
+    (directory / "generation_config.json").write_text(json.dumps(gen_config, indent=1))
+
+
+# --- the same model as GGUF files, written the way llama.cpp's converter writes them --------------------------------
+_GGUF_GEMMA3 = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf_name == "model.norm.weight":
+        return "output_norm.weight"
+    _, _, layer, *module, kind = hf_name.split(".")
+    return f"blk.{layer}.{_GGUF_GEMMA3['.'.join(module)]}.{kind}"
+
+
+def write_tiny_gguf(path: str | Path, architecture: str = "gemma3", quantize: bool = False, seed: int = 0) -> Path:
+    """The tiny model as a GGUF; norms stored as w + 1 like llama.cpp does. `architecture` is written as given,
+    so tests can make files of architectures the engine does not support."""
+    config = tiny_hf_config()
+    writer = gguf.GGUFWriter(str(path), architecture)
+    _write_gguf_metadata(writer, config)
+    for name, tensor in tiny_state_dict(config, seed).items():
+        values = (tensor + 1.0 if name.endswith("norm.weight") else tensor).numpy().astype(np.float32)
+        if quantize and values.ndim == 2:
+            writer.add_tensor(
+                gguf_name(name),
+                gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0),
+                raw_dtype=gguf.GGMLQuantizationType.Q8_0,
+            )
+        else:
+            writer.add_tensor(gguf_name(name), values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
+
+
+def _write_gguf_metadata(w: gguf.GGUFWriter, config: dict[str, Any]) -> None:
+    w.add_name("tiny gemma")
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_head_count_kv(config["num_key_value_heads"])
+    w.add_key_length(config["head_dim"])
+    w.add_value_length(config["head_dim"])
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_rope_freq_base(config["rope_theta"])
+    w.add_sliding_window(config["sliding_window"])
+    meta = tiny_gguf_metadata()
+    w.add_tokenizer_model(meta["tokenizer.ggml.model"])
+    w.add_token_list(meta["tokenizer.ggml.tokens"])
+    w.add_token_scores(meta["tokenizer.ggml.scores"])
+    w.add_token_types(meta["tokenizer.ggml.token_type"])
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_pad_token_id(0)
+    w.add_unk_token_id(3)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)

@@ -1,0 +1,73 @@
+"""`tokenmill serve | complete | models`: the command line, with flags generated from Config."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from tokenmill.config import Config, add_config_arguments, config_from_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tokenmill", description="OpenAI-compatible completions server")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="start the HTTP server (default model: Gemma 3 270M)")
+    add_config_arguments(serve)
+    complete = commands.add_parser("complete", help="complete one prompt on the command line, no server")
+    add_config_arguments(complete)
+    complete.add_argument("prompt")
+    complete.add_argument("--max-tokens", type=int, default=32)
+    complete.add_argument("--temperature", type=float, default=0.0)
+    models = commands.add_parser("models", help="print the model the server would serve, and its settings")
+    add_config_arguments(models)
+    args = parser.parse_args(argv)
+    config = config_from_args(args)
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        return serve_forever(config)
+    if args.command == "complete":
+        return asyncio.run(complete_once(config, args.prompt, args.max_tokens, args.temperature))
+    return show_model(config)
+
+
+def serve_forever(config: Config) -> int:
+    import uvicorn
+
+    from tokenmill.api.app import create_app
+    from tokenmill.engine.engine import AsyncEngine
+
+    engine = AsyncEngine.from_config(config)
+    app = create_app(engine, config)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
+    return 0
+
+
+async def complete_once(config: Config, prompt: str, max_tokens: int, temperature: float) -> int:
+    from tokenmill.engine.engine import AsyncEngine
+    from tokenmill.engine.sampling import SamplingParams
+
+    engine = AsyncEngine.from_config(config)
+    await engine.start()
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
+    async for out in engine.generate("cli", engine.tokenizer.encode(prompt), params):
+        for delta in out.deltas:
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    await engine.stop()
+    return 0
+
+
+def show_model(config: Config) -> int:
+    from tokenmill.engine.engine import AsyncEngine
+
+    engine = AsyncEngine.from_config(config)
+    print(f"model: {engine.model_name}\nmax_model_len: {engine.max_model_len}\n"
+          f"system_fingerprint: {engine.system_fingerprint}\nkv blocks: {engine.core.blocks.num_blocks}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

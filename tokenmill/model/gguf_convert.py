@@ -1,0 +1,190 @@
+"""GGUF file → ModelConfig + float32 state dict with Hugging Face names and value conventions + tokenizer.
+
+The file is parsed once with `gguf.GGUFReader`; every tensor is dequantised with `gguf.quants.dequantize`. Two
+llama.cpp conventions are undone so the weights equal a Hugging Face checkpoint's:
+- Gemma RMSNorm weights are stored as w + 1 (llama.cpp multiplies by them directly); HF computes x·(1 + w).
+- llama.cpp's converter permutes Llama q/k rows for its rotary layout; HF rotates halves.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from tokenmill.model.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
+from tokenmill.tokenizer import Tokenizer
+
+# GGUF block tensor → HF layer module path
+_GEMMA3_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LLAMA_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCKS = {"gemma3": _GEMMA3_BLOCK, "llama": _LLAMA_BLOCK}
+_GLOBALS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_GLOBAL_NAME = re.compile(r"^(\w+)\.(weight|bias)$")
+
+
+@dataclass
+class GgufModel:
+    config: ModelConfig
+    state_dict: dict[str, torch.Tensor]  # float32, HF names and conventions
+    tokenizer: Tokenizer
+    name: str  # general.name
+
+
+def read_gguf(path: str, progress: bool = True) -> GgufModel:
+    with tqdm(desc="converting GGUF", unit="tensor", disable=not progress) as bar:
+        bar.set_postfix_str("parsing the file")
+        reader = gguf.GGUFReader(path)
+        meta = {key: field.contents() for key, field in reader.fields.items()}
+        arch = str(meta.get("general.architecture"))
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"unsupported model architecture {arch!r} in {path}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        tensor_shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
+        config = gguf_config(meta, tensor_shapes)
+        bar.reset(total=len(reader.tensors))
+        bar.set_postfix_str("dequantising")
+        state_dict = _convert_tensors(reader, config, bar)
+        bar.set_postfix_str("building the tokenizer")
+        tokenizer = Tokenizer.from_gguf(meta)
+    return GgufModel(config, state_dict, tokenizer, str(meta.get("general.name", "")))
+
+
+def read_gguf_tokenizer(path: str) -> Tokenizer:
+    """Only the tokenizer of a GGUF file, built from its vocabulary."""
+    reader = gguf.GGUFReader(path)
+    return Tokenizer.from_gguf({key: field.contents() for key, field in reader.fields.items()})
+
+
+# --- config ---------------------------------------------------------------------------------------------------------
+def gguf_config(meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> ModelConfig:
+    """ModelConfig from `<arch>.*` metadata; `tensor_shapes` in torch order."""
+    arch = str(meta["general.architecture"])
+
+    def key(name: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{name}", default)
+
+    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+    common = {
+        "architecture": arch,
+        "vocab_size": tensor_shapes["token_embd.weight"][0],
+        "hidden_size": hidden,
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_layers": int(key("block_count")),
+        "num_heads": heads,
+        "num_kv_heads": int(key("attention.head_count_kv", heads)),
+        "head_dim": int(key("attention.key_length", hidden // heads)),
+        "rms_norm_eps": _f32(key("attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": int(key("context_length")),
+        "tie_word_embeddings": "output.weight" not in tensor_shapes,
+        "rope_scaling_factor": _rope_scaling(arch, key("rope.scaling.type"), key("rope.scaling.factor")),
+        "name": str(meta.get("general.name", "")),
+    }
+    if "rope_freqs.weight" in tensor_shapes:
+        raise UnsupportedModelError(f"{arch} GGUF with rope_freqs (Llama 3.1-style rope scaling) is not supported")
+    if arch == "gemma3":
+        return _gemma3_config(common, key)
+    sliding = key("attention.sliding_window")
+    layer_types = ("sliding_attention",) * common["num_layers"] if sliding else ()
+    return ModelConfig(
+        **common, rope_theta=_f32(key("rope.freq_base", 10000.0)), sliding_window=sliding, layer_types=layer_types
+    )
+
+
+def _f32(value: Any) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-06, not 9.999999974752427e-07)."""
+    return float(str(np.float32(value)))
+
+
+def _gemma3_config(common: dict[str, Any], key: Callable[..., Any]) -> ModelConfig:
+    layers, hidden, heads = common["num_layers"], common["hidden_size"], common["num_heads"]
+    # llama.cpp: the 27B (62 layers) scales queries by hidden/heads, every other size by head_dim
+    scalar = hidden // heads if layers == 62 else common["head_dim"]
+    return ModelConfig(
+        **common,
+        rope_theta=_f32(key("rope.freq_base", 1_000_000.0)),
+        rope_local_theta=10_000.0,
+        sliding_window=int(key("attention.sliding_window", 4096)),
+        layer_types=tuple("full_attention" if i % 6 == 5 else "sliding_attention" for i in range(layers)),
+        query_pre_attn_scalar=float(scalar),
+    )
+
+
+def _rope_scaling(arch: str, kind: Any, factor: Any) -> float:
+    if kind in (None, "none") or factor in (None, 1.0):
+        return 1.0
+    if kind != "linear":
+        raise UnsupportedModelError(f"{arch} GGUF with rope scaling {kind!r} is not supported (only linear)")
+    return _f32(factor)
+
+
+# --- tensors --------------------------------------------------------------------------------------------------------
+def hf_name(gguf_name: str, arch: str) -> str:
+    """`blk.3.attn_q.weight` → `model.layers.3.self_attn.q_proj.weight`."""
+    if m := _BLOCK_NAME.match(gguf_name):
+        layer, part, kind = m.groups()
+        if part in _BLOCKS[arch]:
+            return f"model.layers.{layer}.{_BLOCKS[arch][part]}.{kind}"
+    elif (m := _GLOBAL_NAME.match(gguf_name)) and m.group(1) in _GLOBALS:
+        return f"{_GLOBALS[m.group(1)]}.{m.group(2)}"
+    raise UnsupportedModelError(f"{arch} GGUF tensor {gguf_name!r} has no place in this engine's model")
+
+
+def _convert_tensors(reader: gguf.GGUFReader, config: ModelConfig, bar: tqdm) -> dict[str, torch.Tensor]:
+    state_dict: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name, config.architecture)
+        values = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        shape = tuple(int(d) for d in reversed(tensor.shape))  # ggml lists the fastest dimension first
+        state_dict[name] = _to_hf_convention(name, torch.from_numpy(values).reshape(shape), config)
+        bar.update()
+    return state_dict
+
+
+def _to_hf_convention(name: str, weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    if config.architecture == "gemma3" and name.endswith("norm.weight"):
+        return weight - 1.0  # stored as w + 1
+    if config.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+        return unpermute_rotary(weight, config.num_heads)
+    if config.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+        return unpermute_rotary(weight, config.num_kv_heads)
+    return weight
+
+
+def unpermute_rotary(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of llama.cpp's `permute`: interleaved rotary pairs back to HF's two halves per head."""
+    rows = weight.shape[0]
+    w = weight.reshape(n_heads, rows // n_heads // 2, 2, *weight.shape[1:])  # (H, D/2, 2, ...)
+    return w.transpose(1, 2).reshape(weight.shape)  # (H, 2, D/2, ...) → (H·D, ...)

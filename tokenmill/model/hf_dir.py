@@ -1,0 +1,129 @@
+"""Hugging Face model directory (config.json + *.safetensors + tokenizer files) → ModelConfig + state dict."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from tokenmill.model.model_config import ModelConfig, UnsupportedModelError
+
+# config.json model_type → our architecture
+MODEL_TYPES = {"gemma3_text": "gemma3", "gemma3": "gemma3", "llama": "llama", "mistral": "llama", "qwen2": "llama"}
+# prefixes multimodal Gemma 3 checkpoints put before the text model's names
+_PREFIXES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+_SKIPPED = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def read_hf_config(path: Path) -> ModelConfig:
+    raw = json.loads((path / "config.json").read_text())
+    model_type = raw.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"unsupported model architecture {model_type!r} in {path}/config.json; "
+            f"supported model_type: {', '.join(MODEL_TYPES)}"
+        )
+    if model_type == "gemma3":  # multimodal wrapper: the text model's config is nested
+        raw = {"tie_word_embeddings": raw.get("tie_word_embeddings", True), **raw.get("text_config", {})}
+        model_type = "gemma3_text"
+    arch = MODEL_TYPES[model_type]
+    common = _common_fields(raw, arch, path.name)
+    return _gemma3_config(raw, common) if arch == "gemma3" else _llama_config(raw, common, model_type)
+
+
+def _common_fields(raw: dict[str, Any], arch: str, name: str) -> dict[str, Any]:
+    hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
+    return {
+        "architecture": arch,
+        "vocab_size": raw["vocab_size"],
+        "hidden_size": hidden,
+        "intermediate_size": raw["intermediate_size"],
+        "num_layers": raw["num_hidden_layers"],
+        "num_heads": heads,
+        "num_kv_heads": raw.get("num_key_value_heads") or heads,
+        "head_dim": raw.get("head_dim") or hidden // heads,
+        "rms_norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
+        "max_position_embeddings": raw.get("max_position_embeddings", 2048),
+        "tie_word_embeddings": bool(raw.get("tie_word_embeddings", arch == "gemma3")),
+        "name": name,
+    }
+
+
+def _gemma3_config(raw: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+    layers = common["num_layers"]
+    pattern = raw.get("sliding_window_pattern", 6)
+    default_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+    full = _rope_params(raw, "full_attention")
+    local = _rope_params(raw, "sliding_attention")
+    return ModelConfig(
+        **common,
+        rope_theta=float(full.get("rope_theta", raw.get("rope_theta", 1_000_000.0))),
+        rope_local_theta=float(local.get("rope_theta", raw.get("rope_local_base_freq", 10_000.0))),
+        rope_scaling_factor=_linear_factor(full or raw.get("rope_scaling")),
+        sliding_window=raw.get("sliding_window", 4096),
+        layer_types=tuple(raw.get("layer_types") or default_types),
+        query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)),
+    )
+
+
+def _llama_config(raw: dict[str, Any], common: dict[str, Any], model_type: str) -> ModelConfig:
+    if raw.get("attention_bias", model_type == "qwen2"):  # Qwen2 has q/k/v biases; ModelConfig cannot say so yet
+        raise UnsupportedModelError(f"{model_type} with attention biases is not supported yet")
+    params = _rope_params(raw, None)
+    window = raw.get("sliding_window")
+    if model_type == "qwen2" and not raw.get("use_sliding_window", False):
+        window = None
+    return ModelConfig(
+        **common,
+        rope_theta=float(params.get("rope_theta", raw.get("rope_theta", 10_000.0))),
+        rope_scaling_factor=_linear_factor(params or raw.get("rope_scaling")),
+        sliding_window=window,
+        layer_types=("sliding_attention",) * common["num_layers"] if window else (),
+    )
+
+
+def _rope_params(raw: dict[str, Any], layer_type: str | None) -> dict[str, Any]:
+    """transformers ≥ 5 writes `rope_parameters` (per layer type for Gemma 3); older configs `rope_scaling`."""
+    params = raw.get("rope_parameters") or {}
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        return params[layer_type]
+    return params if "rope_type" in params or "rope_theta" in params else {}
+
+
+def _linear_factor(scaling: dict[str, Any] | None) -> float:
+    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    if kind == "default":
+        return 1.0
+    if kind != "linear":
+        raise UnsupportedModelError(f"rope scaling {kind!r} is not supported (only linear)")
+    return float(scaling["factor"])  # type: ignore[index]
+
+
+def read_hf_state_dict(path: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors weights")
+    state_dict: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            names = {key: _text_model_name(key) for key in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+            state_dict.update({name: f.get_tensor(key).to(dtype) for key, name in names.items() if name is not None})
+    if config.tie_word_embeddings:
+        state_dict.pop("lm_head.weight", None)
+    return state_dict
+
+
+def _text_model_name(key: str) -> str | None:
+    if key.startswith(_SKIPPED):
+        return None
+    for old, new in _PREFIXES:
+        if key.startswith(old):
+            return new + key[len(old) :]
+    return key

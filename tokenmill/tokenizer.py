@@ -1,0 +1,193 @@
+"""Tokenizer: a Hugging Face `tokenizers.Tokenizer` plus the model's special-token settings.
+
+Built from a Hugging Face model directory (tokenizer.json + configs) or from a GGUF file's vocabulary. The GGUF builders
+reproduce what `transformers` builds for the same file (its `integrations/gguf/gguf_tokenizer_mapping.py`), so token ids
+match a `transformers` tokenizer loaded with `gguf_file=`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import processors
+
+SETTINGS_FILE = "tokenmill_tokenizer.json"
+TOKENIZER_FILE = "tokenizer.json"
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """The special-token settings a bare tokenizer.json does not carry."""
+
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    add_bos: bool = False
+    add_eos: bool = False
+    extra_eos_tokens: tuple[str, ...] = field(default=())  # other tokens that end generation (e.g. <end_of_turn>)
+
+
+class Tokenizer:
+    """Text ⇄ token ids for one model."""
+
+    def __init__(self, backend: HFTokenizer, special: SpecialTokens) -> None:
+        self._tok = backend
+        self.special = special
+        self.bos_id = self._id_of(special.bos_token)
+        self.eos_id = self._id_of(special.eos_token)
+        self.pad_id = self._id_of(special.pad_token)
+        _set_post_processor(backend, special, self.bos_id, self.eos_id)
+
+    def _id_of(self, token: str | None) -> int | None:
+        return None if token is None else self._tok.token_to_id(token)
+
+    # --- properties -------------------------------------------------------------------------------------------------
+    @property
+    def backend(self) -> HFTokenizer:
+        return self._tok
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token(self) -> str | None:
+        return self.special.bos_token
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.special.eos_token
+
+    @property
+    def pad_token(self) -> str | None:
+        return self.special.pad_token
+
+    @property
+    def add_bos(self) -> bool:
+        return self.special.add_bos and self.bos_id is not None
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Every id that ends generation: eos plus the model's extra end tokens."""
+        tokens = (self.special.eos_token, *self.special.extra_eos_tokens)
+        ids = (self._id_of(t) for t in tokens)
+        return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+    # --- encode / decode --------------------------------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str:
+        token = self._tok.id_to_token(token_id)
+        if token is None:
+            raise KeyError(f"token id {token_id} is outside the vocabulary of {self.vocab_size}")
+        return token
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    # --- persistence ------------------------------------------------------------------------------------------------
+    def save(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self._tok.save(str(directory / TOKENIZER_FILE))
+        (directory / SETTINGS_FILE).write_text(json.dumps(asdict(self.special), indent=1))
+
+    @classmethod
+    def load(cls, directory: str | Path) -> Tokenizer:
+        directory = Path(directory)
+        settings = json.loads((directory / SETTINGS_FILE).read_text())
+        settings["extra_eos_tokens"] = tuple(settings.get("extra_eos_tokens", ()))
+        return cls(HFTokenizer.from_file(str(directory / TOKENIZER_FILE)), SpecialTokens(**settings))
+
+    @classmethod
+    def from_gguf(cls, metadata: Mapping[str, Any]) -> Tokenizer:
+        """From GGUF metadata values (`tokenizer.ggml.*` and `general.architecture`) as plain Python values."""
+        from tokenmill.gguf_tokenizer import build_gguf_tokenizer  # imports this module: import lazily
+
+        backend, special = build_gguf_tokenizer(metadata)
+        return cls(backend, special)
+
+    @classmethod
+    def from_pretrained_dir(cls, path: str | Path) -> Tokenizer:
+        """From a Hugging Face model directory: tokenizer.json and its tokenizer/generation configs."""
+        path = Path(path)
+        if not (path / TOKENIZER_FILE).exists():
+            raise FileNotFoundError(f"{path} has no {TOKENIZER_FILE}; only fast (tokenizers) tokenizers are supported")
+        backend = HFTokenizer.from_file(str(path / TOKENIZER_FILE))
+        return cls(backend, _special_from_dir(path, backend))
+
+
+def _set_post_processor(tok: HFTokenizer, special: SpecialTokens, bos_id: int | None, eos_id: int | None) -> None:
+    """BOS/EOS around each encoded text as the settings say; `transformers` rebuilds its post-processor the same way."""
+    add_bos = special.add_bos and bos_id is not None
+    add_eos = special.add_eos and eos_id is not None
+    if not (add_bos or add_eos):
+        tok.post_processor = None
+        return
+    bos, eos = special.bos_token, special.eos_token
+    single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
+    pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
+    tokens = [(t, i) for t, i, on in ((bos, bos_id, add_bos), (eos, eos_id, add_eos)) if on]
+    tok.post_processor = processors.TemplateProcessing(
+        single=single, pair=pair, special_tokens=list(dict(tokens).items())
+    )
+
+
+# --- Hugging Face directories ---------------------------------------------------------------------------------------
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as configs spell it: a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _special_from_dir(path: Path, backend: HFTokenizer) -> SpecialTokens:
+    config = _read_json(path / "tokenizer_config.json")
+    special_map = _read_json(path / "special_tokens_map.json")
+
+    def token(name: str) -> str | None:
+        return _token_text(config.get(name)) or _token_text(special_map.get(name))
+
+    bos, eos = token("bos_token"), token("eos_token")
+    add_bos = config.get("add_bos_token")
+    if add_bos is None:  # no explicit flag: trust tokenizer.json's own post-processor
+        add_bos = bos is not None and _post_processor_adds(backend, bos)
+    return SpecialTokens(
+        bos_token=bos,
+        eos_token=eos,
+        pad_token=token("pad_token"),
+        add_bos=bool(add_bos),
+        add_eos=bool(config.get("add_eos_token", False)),
+        extra_eos_tokens=_generation_eos_tokens(path, backend),
+    )
+
+
+def _post_processor_adds(backend: HFTokenizer, token: str) -> bool:
+    token_id = backend.token_to_id(token)
+    ids = backend.encode("a", add_special_tokens=True).ids
+    return token_id is not None and bool(ids) and ids[0] == token_id
+
+
+def _generation_eos_tokens(path: Path, backend: HFTokenizer) -> tuple[str, ...]:
+    ids = _read_json(path / "generation_config.json").get("eos_token_id")
+    if ids is None:
+        ids = _read_json(path / "config.json").get("eos_token_id")
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    tokens = (backend.id_to_token(i) for i in ids)
+    return tuple(t for t in tokens if t is not None)
