@@ -1,0 +1,88 @@
+"""Time-bounded async access to the app: every request and every stream read gives up after TIMEOUT seconds."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import httpx
+from fastapi import FastAPI
+
+TIMEOUT = 10.0
+MODEL = "fake-model"
+T = TypeVar("T")
+
+
+def run(make: Callable[[], Awaitable[T]], timeout: float = TIMEOUT) -> T:
+    async def bounded() -> T:
+        return await asyncio.wait_for(make(), timeout)
+
+    return asyncio.run(bounded())
+
+
+def body(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": "hi", **fields}
+
+
+async def post(app: FastAPI, path: str, payload: Any, headers: dict[str, str] | None = None) -> httpx.Response:
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        return await client.post(path, json=payload, headers=headers)
+
+
+def parse_sse(raw: str) -> list[Any]:
+    """Each `data:` frame as parsed JSON, or the string "[DONE]"; asserts the framing is exact."""
+    assert raw.endswith("\n\n"), raw[-50:]
+    events = []
+    for frame in raw[:-2].split("\n\n"):
+        assert frame.startswith("data: "), frame
+        payload = frame[len("data: ") :]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def stream(app: FastAPI, payload: dict[str, Any]) -> tuple[httpx.Response, list[Any]]:
+    response = run(lambda: post(app, "/v1/completions", payload))
+    return response, parse_sse(response.text)
+
+
+def asgi_scope(path: str, method: str = "POST") -> dict[str, Any]:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.4"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
+        "client": ("test", 1234),
+        "server": ("test", 80),
+    }
+
+
+async def call_then_disconnect(
+    app: FastAPI, payload: dict[str, Any], disconnect_when: Callable[[list[dict[str, Any]]], bool]
+) -> list[dict[str, Any]]:
+    """Drive the ASGI app by hand; report `http.disconnect` once `disconnect_when(sent messages)` holds."""
+    sent: list[dict[str, Any]] = []
+    requested = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal requested
+        if not requested:
+            requested = True
+            return {"type": "http.request", "body": json.dumps(payload).encode(), "more_body": False}
+        while not disconnect_when(sent):
+            await asyncio.sleep(0.005)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app(asgi_scope("/v1/completions"), receive, send)
+    return sent

@@ -1,0 +1,102 @@
+"""The app around the real AsyncEngine on the tiny random-weight model: the engine contract, not a fake's idea of it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.api.api_helpers import call_then_disconnect, parse_sse, run
+from tests.engine.tiny import tiny_core
+from tokenmill.api.app import create_app
+from tokenmill.config import Config
+from tokenmill.engine.engine import AsyncEngine
+
+MODEL = "tiny"
+
+
+def tiny_engine() -> AsyncEngine:
+    return AsyncEngine(tiny_core(), MODEL, "fp_tiny")
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[TestClient]:
+    with TestClient(create_app(tiny_engine(), Config())) as test_client:  # the lifespan starts the step loop
+        yield test_client
+
+
+def complete(client: TestClient, **fields: Any) -> dict[str, Any]:
+    response = client.post("/v1/completions", json={"model": MODEL, "temperature": 0, **fields})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"prompt": "Hello", "max_tokens": 8},
+        {"prompt": ["Hello", "abc"], "max_tokens": 6, "n": 2, "logprobs": 2, "temperature": 0.8, "seed": 5},
+        {"prompt": "Hi", "max_tokens": 4, "echo": True, "logprobs": 1},
+    ],
+)
+def test_stream_joined_equals_non_stream(client: TestClient, fields: dict[str, Any]) -> None:
+    plain = complete(client, **fields)
+    response = client.post("/v1/completions", json={"model": MODEL, "temperature": 0, **fields, "stream": True})
+    events = parse_sse(response.text)
+    assert events[-1] == "[DONE]"
+    texts: dict[int, str] = {}
+    finishes: dict[int, list[str | None]] = {}
+    for chunk in events[:-1]:
+        for c in chunk["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+            finishes.setdefault(c["index"], []).append(c["finish_reason"])
+    assert texts == {c["index"]: c["text"] for c in plain["choices"]}
+    assert all(f[-1] is not None and all(x is None for x in f[:-1]) for f in finishes.values())
+
+
+def test_scoring_request_has_one_entry_per_prompt_token(client: TestClient) -> None:
+    ids = client.post("/tokenize", json={"prompt": "Hi there"}).json()["tokens"]
+    choice = complete(client, prompt=ids, max_tokens=0, echo=True, logprobs=1)["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(ids)
+    assert lp["token_logprobs"][0] is None and all(x is not None for x in lp["token_logprobs"][1:])
+    assert choice["text"] == "<bos>Hi there" and choice["finish_reason"] == "length"
+
+
+def test_best_of_counts_every_candidate(client: TestClient) -> None:
+    out = complete(client, prompt="Hi", max_tokens=5, best_of=3, temperature=1.0, seed=1)
+    assert len(out["choices"]) == 1 and out["usage"]["completion_tokens"] == 15
+
+
+def test_disconnect_mid_stream_frees_the_kv_blocks() -> None:
+    async def scenario() -> dict[str, int]:
+        engine = tiny_engine()
+        await engine.start()
+        try:
+            no_eos = {"1": -100}  # ByteTokenizer.eos_id: only the disconnect can end these early
+            payload = {
+                "model": MODEL,
+                "prompt": ["Hello", "World"],
+                "max_tokens": 400,
+                "stream": True,
+                "n": 2,
+                "logit_bias": no_eos,
+            }
+
+            def after_first_chunk(sent: list[dict[str, Any]]) -> bool:
+                return any(m["type"] == "http.response.body" and m.get("body") for m in sent)
+
+            sent = await call_then_disconnect(create_app(engine, Config()), payload, after_first_chunk)
+            while engine.stats().num_running or engine.stats().num_used_blocks:
+                await asyncio.sleep(0.01)
+            done = any(b"[DONE]" in m.get("body", b"") for m in sent)
+            return {"used": engine.stats().num_used_blocks, "steps": engine.stats().steps, "done": int(done)}
+        finally:
+            await engine.stop()
+
+    stats = run(scenario)
+    assert stats == {"used": 0, "steps": stats["steps"], "done": 0}  # cut short, and every block back
+    assert stats["steps"] < 400

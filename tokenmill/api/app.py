@@ -1,0 +1,273 @@
+"""create_app(engine, config): the routes, bearer auth and the handlers that turn every failure into OpenAI's error body.
+
+The engine lives on `app.state`, never in a module global, so tests build the app around a fake engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Iterable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from tokenmill.api import errors, protocol
+from tokenmill.api.completions import Completion, Engine
+from tokenmill.api.errors import APIError
+from tokenmill.api.protocol import CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_request
+from tokenmill.api.sse import SSEResponse
+from tokenmill.config import Config
+
+logger = logging.getLogger(__name__)
+
+PUBLIC_PATHS = frozenset({"/health"})  # reachable without the API key (liveness probes)
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"; nobody reads it
+
+T = TypeVar("T")
+router = APIRouter()
+
+
+def create_app(engine: Engine, config: Config) -> FastAPI:
+    app = FastAPI(title="tokenmill", summary="OpenAI-compatible text completions", lifespan=_lifespan)
+    app.state.engine = engine
+    app.state.config = config
+    app.state.created = int(time.time())
+    app.include_router(router)
+    app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, _unexpected_error)
+    if config.api_key:
+        app.add_middleware(BearerAuth, keys=config.api_key)
+    return app
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """Start the engine's step loop with the server (unless it already runs) and stop what we started."""
+    engine = app.state.engine
+    start, stop = getattr(engine, "start", None), getattr(engine, "stop", None)
+    started = False
+    if start is not None and not engine.is_healthy():
+        await start()
+        started = True
+    try:
+        yield
+    finally:
+        if started and stop is not None:
+            await stop()
+
+
+# --- routes ---------------------------------------------------------------------------------------------------------
+def _engine(request: Request) -> Engine:
+    engine: Engine = request.app.state.engine
+    return engine
+
+
+def _check_model(model: str | None, engine: Engine) -> None:
+    if model is not None and model != engine.model_name:
+        raise errors.model_not_found(model)
+
+
+@router.post("/v1/completions")
+async def create_completion(request: Request) -> Response:
+    engine = _engine(request)
+    body = parse_request(CompletionRequest, await request.body())
+    _check_model(body.model, engine)
+    completion = Completion(body, engine)
+    if body.user is not None:
+        logger.info("completion %s for user %r", completion.meta.id, body.user)
+    if body.stream:
+        return SSEResponse(completion.frames())
+    result = await _cancel_on_disconnect(request, completion.response())
+    if result is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return JSONResponse(result)
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    return protocol.model_list([_model_card(request)])
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(request: Request, model_id: str) -> dict[str, Any]:
+    _check_model(model_id, _engine(request))
+    return _model_card(request)
+
+
+def _model_card(request: Request) -> dict[str, Any]:
+    engine = _engine(request)
+    return protocol.model_card(engine.model_name, request.app.state.created, engine.max_model_len)
+
+
+@router.get("/health")
+async def health(request: Request) -> dict[str, str]:
+    if not _engine(request).is_healthy():
+        raise errors.service_unavailable("The engine is not healthy.")
+    return {"status": "ok"}
+
+
+@router.get("/stats")
+async def stats(request: Request) -> dict[str, Any]:
+    """The engine's counters (steps, batching, KV blocks): what the load tests assert on."""
+    snapshot = getattr(_engine(request), "stats", None)
+    if snapshot is None:
+        raise errors.not_found("This engine keeps no stats.")
+    value = snapshot()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return dict(value)
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> dict[str, Any]:
+    engine = _engine(request)
+    body = parse_request(TokenizeRequest, await request.body())
+    _check_model(body.model, engine)
+    tokenizer = engine.tokenizer
+    if isinstance(body.prompt, str):
+        tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    else:
+        tokens = _checked_ids(body.prompt, tokenizer.vocab_size, "prompt")
+    result: dict[str, Any] = {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
+    if body.return_token_strs:
+        to_str = getattr(tokenizer, "id_to_token", None) or (lambda t: tokenizer.decode([t]))
+        result["token_strs"] = [to_str(t) for t in tokens]
+    return result
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> dict[str, str]:
+    engine = _engine(request)
+    body = parse_request(DetokenizeRequest, await request.body())
+    _check_model(body.model, engine)
+    tokens = _checked_ids(body.tokens, engine.tokenizer.vocab_size, "tokens")
+    return {"prompt": engine.tokenizer.decode(tokens)}
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(request: Request) -> dict[str, Any]:
+    """The fields lm-evaluation-harness's remote tokenizer (and vLLM's endpoint) expose."""
+    engine = _engine(request)
+    tok: Any = engine.tokenizer
+    add_bos = getattr(tok, "add_bos", None)
+    if add_bos is None:
+        add_bos = tok.bos_id is not None and tok.encode("a")[:1] == [tok.bos_id]
+    return {
+        "tokenizer_class": type(tok).__name__,
+        "bos_token": tok.bos_token,
+        "eos_token": tok.eos_token,
+        "pad_token": getattr(tok, "pad_token", None),
+        "bos_token_id": tok.bos_id,
+        "eos_token_id": tok.eos_id,
+        "pad_token_id": getattr(tok, "pad_id", None),
+        "add_bos_token": add_bos,
+        "vocab_size": tok.vocab_size,
+        "model_max_length": engine.max_model_len,
+        "max_model_len": engine.max_model_len,
+        "chat_template": getattr(tok, "chat_template", None),
+    }
+
+
+def _checked_ids(ids: list[int], vocab_size: int, param: str) -> list[int]:
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise errors.invalid_request(f"token id {bad} is outside the vocabulary [0, {vocab_size})", param)
+    return ids
+
+
+async def _cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | None:
+    """Run `work`; if the client disconnects first, cancel it (which aborts its engine requests) and return None."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        logger.info("client disconnected; cancelling %s", request.url.path)
+        return None
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# --- auth -----------------------------------------------------------------------------------------------------------
+class BearerAuth:
+    """Every path but PUBLIC_PATHS needs `Authorization: Bearer <one of keys>`; compared in constant time."""
+
+    def __init__(self, app: ASGIApp, keys: Iterable[str]) -> None:
+        self.app = app
+        self.keys = [key.encode() for key in keys]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+            await self.app(scope, receive, send)
+            return
+        error = self._check(Headers(scope=scope).get("authorization"))
+        if error is None:
+            await self.app(scope, receive, send)
+            return
+        await _error_response(error)(scope, receive, send)
+
+    def _check(self, header: str | None) -> APIError | None:
+        scheme, _, token = (header or "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return errors.authentication(
+                "You didn't provide an API key. Provide it in an Authorization header using Bearer auth "
+                "(i.e. Authorization: Bearer YOUR_KEY)."
+            )
+        given = token.strip().encode()
+        matches = [hmac.compare_digest(given, key) for key in self.keys]  # every key, so timing reveals nothing
+        if any(matches):
+            return None
+        return errors.authentication("Incorrect API key provided.")
+
+
+# --- exception handlers ---------------------------------------------------------------------------------------------
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    return _error_response(exc)
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errs = list(exc.errors())
+    body_error = bool(errs) and tuple(errs[0].get("loc", ()))[:1] == ("body",)
+    return _error_response(protocol.api_error_from_validation(errs, loc_prefix=1 if body_error else 0))
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    where = f"{request.method} {request.url.path}"
+    if exc.status_code == 404:
+        error = errors.not_found(f"Invalid URL ({where})")
+    elif exc.status_code == 405:
+        allow = (exc.headers or {}).get("Allow")
+        error = errors.method_not_allowed(f"Method not allowed ({where})", allow)
+    else:
+        error = APIError(exc.status_code, str(exc.detail), headers=exc.headers)
+    return _error_response(error)
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return _error_response(errors.server_error())

@@ -1,0 +1,291 @@
+"""POST /v1/completions: prompts × n (× best_of) → engine requests → one response or an SSE stream.
+
+Each prompt becomes one engine request whose SamplingParams.n sequences are its choices (index = prompt × n + j). All
+prompts run concurrently; closing the output stream (client gone, task cancelled) closes every engine generator, which
+aborts the requests. Stop strings, EOS, max_tokens and UTF-8-safe text are the engine's job: deltas are final text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from tokenmill.api import protocol, sse
+from tokenmill.api.errors import APIError, context_length_exceeded, invalid_request, server_error
+from tokenmill.api.logprobs import LogprobsBuilder, empty_logprobs, extend_logprobs, finite
+from tokenmill.api.protocol import CompletionMeta, CompletionRequest
+from tokenmill.engine.outputs import FinishReason, RequestOutput, SequenceDelta, TokenLogprob
+from tokenmill.engine.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    bos_id: int | None
+    eos_id: int | None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str: ...
+
+
+class Engine(Protocol):
+    """What the HTTP edge needs of tokenmill.engine.engine.AsyncEngine."""
+
+    tokenizer: Tokenizer
+    max_model_len: int
+    model_name: str
+    system_fingerprint: str
+
+    def is_healthy(self) -> bool: ...
+
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]: ...
+
+
+@dataclass
+class Prompt:
+    token_ids: list[int]
+    text: str  # what echo returns: the string as sent, or the decoded token ids
+    cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None  # the prompt tokens' own logprobs, for echo
+
+
+# --- preparing: everything that can be a 400 happens before the first engine call ---------------------------------
+def prepare_prompts(request: CompletionRequest, engine: Engine, max_tokens: int) -> list[Prompt]:
+    tokenizer, vocab_size = engine.tokenizer, engine.tokenizer.vocab_size
+    for key in request.logit_bias or {}:
+        if not 0 <= int(key) < vocab_size:
+            raise invalid_request(
+                f"'logit_bias' token id {key} is outside the vocabulary [0, {vocab_size})", "logit_bias"
+            )
+    prompts = [_prompt(item, tokenizer, bool(request.echo)) for item in _prompt_items(request.prompt)]
+    for prompt in prompts:
+        if len(prompt.token_ids) + max_tokens > engine.max_model_len:
+            raise context_length_exceeded(engine.max_model_len, len(prompt.token_ids), max_tokens)
+    return prompts
+
+
+def _prompt_items(prompt: protocol.PromptInput | None) -> Sequence[str | list[int]]:
+    if prompt is None:  # OpenAI: no prompt means "from the start of a document"
+        return [""]
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt[0], int):
+        return [prompt]
+    return prompt
+
+
+def _prompt(item: str | list[int], tokenizer: Tokenizer, echo: bool) -> Prompt:
+    if isinstance(item, str):
+        ids = tokenizer.encode(item) or _document_start(tokenizer)
+        return Prompt(ids, item)
+    bad = next((t for t in item if not 0 <= t < tokenizer.vocab_size), None)
+    if bad is not None:
+        raise invalid_request(
+            f"'prompt' token id {bad} is outside the vocabulary [0, {tokenizer.vocab_size})", "prompt"
+        )
+    return Prompt(list(item), tokenizer.decode(item) if echo else "")
+
+
+def _document_start(tokenizer: Tokenizer) -> list[int]:
+    """An empty string prompt on a tokenizer that adds no BOS: start from BOS (or EOS, the document separator)."""
+    start = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id
+    if start is None:
+        raise invalid_request("'prompt' is empty and this model has no BOS/EOS token to start from", "prompt")
+    return [start]
+
+
+# --- one choice's progress ------------------------------------------------------------------------------------------
+_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
+
+
+@dataclass
+class Choice:
+    index: int
+    prompt: Prompt
+    echo_pending: bool
+    builder: LogprobsBuilder | None
+    text: list[str] = field(default_factory=list)
+    logprobs: dict[str, list[Any]] | None = None
+    finish_reason: str | None = None
+    cumulative_logprob: float = 0.0
+    num_tokens: int = 0
+
+    def update(self, delta: SequenceDelta) -> dict[str, Any] | None:
+        """Fold in one delta; return its stream piece (None when there is nothing to show)."""
+        if delta.finish_reason is FinishReason.ABORT:
+            raise server_error("The request was aborted by the engine.")
+        self.num_tokens = max(self.num_tokens + len(delta.token_ids), delta.num_tokens)
+        self.cumulative_logprob = delta.cumulative_logprob
+        if delta.finish_reason is not None:
+            self.finish_reason = _FINISH[delta.finish_reason]
+        return self._piece(delta.text, delta.logprobs or [])
+
+    def finish_without_delta(self, max_tokens: int) -> dict[str, Any]:
+        """The engine finished the request with no final delta for this sequence: infer why."""
+        self.finish_reason = "length" if self.num_tokens >= max_tokens else "stop"
+        return self._piece("", []) or protocol.choice(self.index, "", None, self.finish_reason)
+
+    def _piece(self, text: str, entries: list[TokenLogprob]) -> dict[str, Any] | None:
+        fragment = self._logprobs_fragment(entries)
+        if self.echo_pending:
+            text, self.echo_pending = self.prompt.text + text, False
+        self.text.append(text)
+        if not text and self.finish_reason is None and not (fragment and fragment["tokens"]):
+            return None
+        return protocol.choice(self.index, text, fragment, self.finish_reason)
+
+    def _logprobs_fragment(self, entries: list[TokenLogprob]) -> dict[str, list[Any]] | None:
+        if self.builder is None:
+            return None
+        fragment = empty_logprobs()
+        if self.echo_pending:
+            extend_logprobs(fragment, self.builder.prompt(self.prompt.logprobs or [], self.prompt.text))
+        extend_logprobs(fragment, self.builder.generated(entries))
+        if self.logprobs is None:
+            self.logprobs = empty_logprobs()
+        extend_logprobs(self.logprobs, fragment)
+        return fragment
+
+    @property
+    def mean_logprob(self) -> float:
+        return finite(self.cumulative_logprob) / self.num_tokens if self.num_tokens else 0.0
+
+
+# --- one request ----------------------------------------------------------------------------------------------------
+class Completion:
+    def __init__(self, request: CompletionRequest, engine: Engine) -> None:
+        self.request = request
+        self.engine = engine
+        self.params = request.to_sampling_params()
+        self.prompts = prepare_prompts(request, engine, self.params.max_tokens)
+        self.meta = CompletionMeta(
+            id=f"cmpl-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=engine.model_name,
+            system_fingerprint=engine.system_fingerprint,
+        )
+        width, echo = self.params.n, bool(request.echo)
+        self.choices = [
+            Choice(p * width + j, prompt, echo, self._builder())
+            for p, prompt in enumerate(self.prompts)
+            for j in range(width)
+        ]
+
+    def _builder(self) -> LogprobsBuilder | None:
+        return LogprobsBuilder(self.request.logprobs) if self.request.logprobs is not None else None
+
+    async def response(self) -> dict[str, Any]:
+        async with aclosing(self._outputs()) as outputs:
+            async for prompt_index, output in outputs:
+                self._apply(prompt_index, output)
+        return protocol.completion_response(self.meta, self._returned_choices(), self.usage())
+
+    async def frames(self) -> AsyncGenerator[str, None]:
+        """The SSE stream: chunks, the usage chunk when asked for, an error frame if it fails, then [DONE]."""
+        with_usage = self.request.include_usage
+        try:
+            async with aclosing(self._outputs()) as outputs:
+                async for prompt_index, output in outputs:
+                    for piece in self._apply(prompt_index, output):
+                        yield sse.data(self._chunk([piece], with_usage))
+            if with_usage:
+                yield sse.data(protocol.completion_chunk(self.meta, [], self.usage(), True))
+        except APIError as exc:
+            yield sse.error_frame(exc)
+        except Exception:
+            logger.exception("completion %s failed while streaming", self.meta.id)
+            yield sse.error_frame(server_error())
+        yield sse.DONE
+
+    def _chunk(self, choices: list[dict[str, Any]], with_usage: bool) -> dict[str, Any]:
+        chunk = protocol.completion_chunk(self.meta, choices, None, with_usage)
+        if self.request.include_obfuscation:  # pads chunk sizes so their lengths do not reveal the tokens
+            chunk["obfuscation"] = secrets.token_urlsafe(1 + secrets.randbelow(16))
+        return chunk
+
+    def _apply(self, prompt_index: int, output: RequestOutput) -> list[dict[str, Any]]:
+        if output.error is not None:
+            raise server_error(f"The engine failed on this request: {output.error}")
+        prompt = self.prompts[prompt_index]
+        prompt.cached_tokens = max(prompt.cached_tokens, output.num_cached_tokens)
+        if output.prompt_logprobs is not None:
+            prompt.logprobs = output.prompt_logprobs
+        width = self.params.n
+        mine = self.choices[prompt_index * width : (prompt_index + 1) * width]
+        pieces = [piece for delta in output.deltas if (piece := mine[delta.index].update(delta)) is not None]
+        if output.finished:
+            pieces += [c.finish_without_delta(self.params.max_tokens) for c in mine if c.finish_reason is None]
+        return pieces
+
+    def _returned_choices(self) -> list[dict[str, Any]]:
+        """Per prompt, the n choices; with best_of, the n best by mean token logprob, re-indexed."""
+        n, width, result = self.request.num_choices, self.params.n, []
+        for p in range(len(self.prompts)):
+            candidates = self.choices[p * width : (p + 1) * width]
+            if width > n:
+                candidates = sorted(candidates, key=lambda c: -c.mean_logprob)[:n]
+            for j, c in enumerate(candidates):
+                result.append(protocol.choice(p * n + j, "".join(c.text), c.logprobs, c.finish_reason))
+        return result
+
+    def usage(self) -> dict[str, Any]:
+        return protocol.usage(
+            prompt_tokens=sum(len(p.token_ids) for p in self.prompts),
+            completion_tokens=sum(c.num_tokens for c in self.choices),
+            cached_tokens=sum(p.cached_tokens for p in self.prompts),
+        )
+
+    def _outputs(self) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+        generators = [
+            self.engine.generate(f"{self.meta.id}-{i}", prompt.token_ids, self.params)
+            for i, prompt in enumerate(self.prompts)
+        ]
+        return merge(generators)
+
+
+# --- running prompts concurrently -----------------------------------------------------------------------------------
+_END = object()
+
+
+async def merge(generators: list[AsyncIterator[RequestOutput]]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """(generator index, item) as items arrive from any generator. Closing this closes them all (engine abort)."""
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(index: int, generator: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for item in generator:
+                queue.put_nowait((index, item))
+            queue.put_nowait((index, _END))
+        except Exception as exc:  # noqa: BLE001 - re-raised by the consumer; cancellation is not an Exception
+            queue.put_nowait((index, exc))
+        finally:
+            aclose = getattr(generator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(generators)]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is _END:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,254 @@
+"""The wire format: pydantic request models in the OpenAI reference's field order, and the response shapes.
+
+`None` means "not sent"; `CompletionRequest.to_sampling_params` resolves it to OpenAI's default. Every field we cannot
+honour is rejected with a 400 naming it (unknown fields included), never silently ignored. Cross-field checks raise
+`APIError` naming the offending `param`; pydantic does not wrap that exception, so it reaches the app unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import ErrorDetails, PydanticCustomError
+
+from tokenmill.api.errors import APIError, invalid_request
+from tokenmill.engine.sampling import SamplingParams
+
+DEFAULT_MAX_TOKENS = 16
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TOP_P = 1.0
+MAX_STOP_SEQUENCES = 4
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+PromptInput = str | list[str] | list[int] | list[list[int]]
+_PROMPT_SHAPE = "'prompt' must be a string, an array of strings, an array of tokens, or an array of token arrays"
+
+
+class _Strict(BaseModel):
+    # strict: no "2" → 2 or 1 → True coercions; JSON ints are still accepted for float fields.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None
+
+
+class CompletionRequest(_Strict):
+    model: str
+    prompt: PromptInput | None
+    best_of: Annotated[int, Field(ge=1, le=20)] | None = None
+    echo: bool | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
+    n: Annotated[int, Field(ge=1, le=128)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    suffix: str | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    user: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list) or not value:
+            raise PydanticCustomError("prompt", _PROMPT_SHAPE + " (an empty array is not a prompt)")
+        if all(isinstance(x, str) for x in value) or all(_is_token_id(x) for x in value):
+            return value
+        if all(isinstance(x, list) for x in value):
+            if not all(value):
+                raise PydanticCustomError("prompt", "'prompt' contains an empty token array")
+            if all(_is_token_id(t) for x in value for t in x):
+                return value
+        raise PydanticCustomError("prompt", _PROMPT_SHAPE)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_shape(cls, value: Any) -> Any:
+        items = [value] if isinstance(value, str) else value
+        if isinstance(items, list):
+            if not 1 <= len(items) <= MAX_STOP_SEQUENCES:
+                raise PydanticCustomError("stop", "'stop' must be a string or an array of 1 to 4 strings")
+            if any(item == "" for item in items):
+                raise PydanticCustomError("stop", "'stop' sequences must not be empty strings")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.strip().lstrip("-").isdigit():
+                raise PydanticCustomError("logit_bias", "'logit_bias' keys must be token ids (integers as strings)")
+        return value
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> CompletionRequest:
+        if self.suffix:
+            raise invalid_request("'suffix' is not supported: this model has no fill-in-the-middle tokens", "suffix")
+        if self.stream_options is not None and not self.stream:
+            raise invalid_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
+        if self.best_of is not None and self.best_of < self.num_choices:
+            raise invalid_request(f"'best_of' ({self.best_of}) must be at least 'n' ({self.num_choices})", "best_of")
+        if self.stream and self.best_of is not None and self.best_of > 1:
+            raise invalid_request("'best_of' greater than 1 cannot be streamed", "best_of")
+        return self
+
+    # --- resolved values: user value → OpenAI default -----------------------------------------------------------
+    @property
+    def num_choices(self) -> int:
+        return self.n if self.n is not None else 1
+
+    @property
+    def num_candidates(self) -> int:
+        """Sequences generated per prompt: best_of when it is larger than n."""
+        return max(self.num_choices, self.best_of or 1)
+
+    @property
+    def stop_sequences(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def include_obfuscation(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_obfuscation)
+
+    def to_sampling_params(self) -> SamplingParams:
+        def pick(value: float | None, default: float) -> float:
+            return float(value) if value is not None else default
+
+        return SamplingParams(
+            max_tokens=self.max_tokens if self.max_tokens is not None else DEFAULT_MAX_TOKENS,
+            temperature=pick(self.temperature, DEFAULT_TEMPERATURE),
+            top_p=pick(self.top_p, DEFAULT_TOP_P),
+            presence_penalty=pick(self.presence_penalty, 0.0),
+            frequency_penalty=pick(self.frequency_penalty, 0.0),
+            logit_bias={int(k): float(v) for k, v in (self.logit_bias or {}).items()},
+            seed=self.seed,
+            stop=self.stop_sequences,
+            logprobs=self.logprobs,
+            prompt_logprobs=self.logprobs if self.echo and self.logprobs is not None else None,
+            n=self.num_candidates,
+        )
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | list[int]
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+# --- parsing: pydantic errors → one APIError naming the field ------------------------------------------------------
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_request(model: type[M], body: bytes) -> M:
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise api_error_from_validation(exc.errors()) from None
+
+
+def api_error_from_validation(errors: Sequence[ErrorDetails | dict[str, Any]], loc_prefix: int = 0) -> APIError:
+    """The first pydantic error as a 400; `loc_prefix` drops FastAPI's leading ("body",)."""
+    first = errors[0] if errors else {"type": "invalid", "loc": (), "msg": "Invalid request"}
+    kind = str(first.get("type", ""))
+    loc = [str(part) for part in tuple(first.get("loc", ()))[loc_prefix:]]
+    if kind == "json_invalid":
+        return invalid_request("We could not parse the JSON body of your request: it is not valid JSON.")
+    if not loc:
+        return invalid_request("The request body must be a JSON object.")
+    if kind == "extra_forbidden":
+        name = ".".join(loc)
+        return invalid_request(f"Unrecognized request argument supplied: {name}", name)
+    if kind == "missing":
+        name = ".".join(loc)
+        return invalid_request(f"Missing required parameter: '{name}'.", name)
+    param = loc[0]
+    return invalid_request(f"Invalid value for '{param}': {first.get('msg', 'invalid value')}", param)
+
+
+# --- responses: every wire shape is built here ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class CompletionMeta:
+    """The fields every response and every stream chunk of one completion share."""
+
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str
+
+    def envelope(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": self.system_fingerprint,
+        }
+
+
+def choice(index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None) -> dict[str, Any]:
+    return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def completion_response(meta: CompletionMeta, choices: list[dict[str, Any]], use: dict[str, Any]) -> dict[str, Any]:
+    return {**meta.envelope(), "choices": choices, "usage": use}
+
+
+def completion_chunk(
+    meta: CompletionMeta, choices: list[dict[str, Any]], use: dict[str, Any] | None, with_usage: bool
+) -> dict[str, Any]:
+    """A stream chunk; with `include_usage` every chunk has a `usage` key (null but on the final one)."""
+    chunk = {**meta.envelope(), "choices": choices}
+    if with_usage:
+        chunk["usage"] = use
+    return chunk
+
+
+def model_card(model_id: str, created: int, max_model_len: int) -> dict[str, Any]:
+    return {
+        "id": model_id,
+        "object": "model",
+        "created": created,
+        "owned_by": "tokenmill",
+        "max_model_len": max_model_len,
+    }
+
+
+def model_list(cards: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"object": "list", "data": cards}
