@@ -16,10 +16,11 @@ from tokenmill.engine.sampling import SamplingParams
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--quantization", default="none")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args()
-    engine = AsyncEngine.from_config(Config(dtype=args.dtype))
+    engine = AsyncEngine.from_config(Config(dtype=args.dtype, quantization=args.quantization))
     core, tok = engine.core, engine.tokenizer
     prompt = tok.encode("The capital of France is")
     ban_eos = {i: -100.0 for i in tok.eos_ids}
@@ -32,7 +33,7 @@ def main() -> None:
             core.step()
             steps += 1
         elapsed = time.perf_counter() - start
-        print(f"dtype={args.dtype} batch={batch} steps={steps} aggregate={batch * args.tokens / elapsed:.1f} tok/s")
+        print(f"dtype={args.dtype} quantization={args.quantization} batch={batch} steps={steps} aggregate={batch * args.tokens / elapsed:.1f} tok/s")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`tokenmill serve | complete | models`: the command line, with flags generated from Config."""
+"""`tokenmill serve | complete | models | bench`: the command line, with flags generated from Config."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import asyncio
 import logging
 import sys
 
+from tokenmill.bench.flags import add_bench_arguments
 from tokenmill.config import Config, add_config_arguments, config_from_args
 
 
@@ -22,7 +23,10 @@ def main(argv: list[str] | None = None) -> int:
     complete.add_argument("--temperature", type=float, default=0.0)
     models = commands.add_parser("models", help="print the model the server would serve, and its settings")
     add_config_arguments(models)
+    add_bench_arguments(commands.add_parser("bench", help="benchmark a server, or tokenmill against llama.cpp"))
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        return run_bench(args)
     config = config_from_args(args)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
@@ -32,16 +36,22 @@ def main(argv: list[str] | None = None) -> int:
     return show_model(config)
 
 
-def serve_forever(config: Config) -> int:
-    import uvicorn
+def run_bench(args: argparse.Namespace) -> int:
+    try:
+        from tokenmill.bench.run import run_bench as bench
+    except ImportError as exc:
+        print(f"tokenmill bench needs its extra: pip install 'tokenmill[bench]' ({exc})", file=sys.stderr)
+        return 2
+    return bench(args)
 
+
+def serve_forever(config: Config) -> int:
     from tokenmill.api.app import create_app
+    from tokenmill.api.serve import serve
     from tokenmill.engine.engine import AsyncEngine
 
     engine = AsyncEngine.from_config(config)
-    app = create_app(engine, config)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
-    return 0
+    return serve(create_app(engine, config), config)
 
 
 async def complete_once(config: Config, prompt: str, max_tokens: int, temperature: float) -> int:

@@ -13,6 +13,7 @@ from typing import Any
 
 DEFAULT_MODEL_NAME = "gemma-3-270m"
 DTYPES = ("float32", "bfloat16")
+QUANTIZATIONS = ("none", "int8", "int4")
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -25,6 +26,10 @@ class Config:
     model: str | None = _opt(None, "GGUF file or Hugging Face model directory; default: the packaged Gemma 3 270M")
     served_model_name: str | None = _opt(None, "model id in the API; default: gemma-3-270m, or the model's name")
     dtype: str = _opt("float32", "compute dtype of the weights and activations", choices=DTYPES)
+    quantization: str = _opt(
+        "none", "weight-only quantisation of the linear layers and LM head (needs --dtype bfloat16)",
+        choices=QUANTIZATIONS,
+    )
     cache_dir: str | None = _opt(None, "where converted weights and tokenizers are cached; default: user cache dir")
     max_model_len: int | None = _opt(None, "context length served; default: min(model's, 8192)")
     # --- engine ---
@@ -39,12 +44,29 @@ class Config:
     port: int = _opt(8000, "port to listen on")
     api_key: tuple[str, ...] = _opt((), "accepted bearer key (repeatable); none: no auth", repeatable=True)
     log_level: str = _opt("info", "uvicorn and tokenmill log level")
+    # --- limits: what one request may ask for, and how much may wait (see README "Robustness") ---
+    max_waiting_requests: int = _opt(1024, "prompts admitted but not yet started; past it new requests get 429")
+    max_waiting_tokens: int = _opt(1 << 20, "prompt tokens of the waiting prompts; past it new requests get 429")
+    max_request_bytes: int = _opt(32 << 20, "largest request body accepted, in bytes")
+    max_prompts_per_request: int = _opt(2048, "most prompts in one request")
+    max_choices_per_request: int = _opt(4096, "most sequences one request may generate: prompts x max(n, best_of)")
+    max_prompt_tokens_per_request: int = _opt(1 << 20, "most prompt tokens in one request, all prompts together")
+    request_timeout_s: float = _opt(0.0, "end a completion still running after this many seconds (0: never)")
+    shutdown_grace_s: float = _opt(30.0, "on SIGTERM, how long in-flight requests may take to finish")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.quantization != "none" and self.dtype != "bfloat16":
+            raise ValueError("weight-only quantisation runs with bfloat16 activations: add --dtype bfloat16")
         if self.block_size <= 0 or self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be positive")
+        if min(self.max_waiting_requests, self.max_waiting_tokens, self.max_request_bytes) <= 0:
+            raise ValueError("max_waiting_requests, max_waiting_tokens and max_request_bytes must be positive")
+        if self.request_timeout_s < 0 or self.shutdown_grace_s < 0:
+            raise ValueError("request_timeout_s and shutdown_grace_s must not be negative")
 
     def with_overrides(self, **changes: Any) -> Config:
         return replace(self, **changes)
@@ -73,6 +95,8 @@ def _field_type(default: Any) -> Any:
         return lambda s: s.lower() in ("1", "true", "yes")
     if isinstance(default, int):
         return int
+    if isinstance(default, float):
+        return float
     return str
 
 

@@ -169,3 +169,20 @@ def test_logprobs_entries_match_generated_tokens() -> None:
     for e in entries:
         assert len(e.top) == 3 and e.top[0][0] == e.token_id  # greedy: the chosen token is the most likely
         assert e.logprob is not None and abs(e.logprob - e.top[0][2]) < 1e-6
+
+
+def test_a_sequence_computes_the_same_numbers_alone_and_under_load() -> None:
+    """Batch invariance: padding-free attention and row-invariant matmuls make load invisible, bit for bit."""
+    target = TOK.encode("the same request")
+    params = greedy(12, logprobs=2)
+    alone = tiny_core()
+    alone.add_request("t", target, params)
+    expected = run_all(alone)["t"]
+    loaded = tiny_core(max_num_batched_tokens=24)
+    for i in range(6):
+        loaded.add_request(f"o{i}", TOK.encode("other " * (i + 1)), greedy(6 + 3 * i))
+    loaded.step()
+    loaded.add_request("t", target, params)
+    got = run_all(loaded)["t"]
+    lp = [(e.token_id, e.logprob) for o in got for d in o.deltas for e in d.logprobs or []]
+    assert lp == [(e.token_id, e.logprob) for o in expected for d in o.deltas for e in d.logprobs or []]

@@ -55,3 +55,9 @@ def test_seeded_sampling_does_not_depend_on_the_batch() -> None:
     rows = [row(seed=i, temperature=1.0) for i in range(3)] + [row(seed=42, temperature=1.5)]
     rows += [row(seed=9, temperature=0.7) for _ in range(2)]
     assert sample(batch, rows)[3].token_id == alone
+
+
+def test_top_p_wider_than_the_candidate_shortlist_still_covers_the_nucleus() -> None:
+    flat = torch.zeros(1, 5000)  # uniform: the 0.9 nucleus holds 4500 tokens, far more than the shortlist
+    seen = {sample(flat, [row(seed=s, temperature=1.0, top_p=0.9)])[0].token_id for s in range(200)}
+    assert max(seen) > 1024

@@ -159,3 +159,15 @@ def test_default_model_converts_then_loads_from_cache(tmp_path: Path) -> None:
     cached = time.perf_counter() - start
     _assert_same_tensors(first.state_dict, second.state_dict)
     assert second.config == first.config and cached < converted / 3, (cached, converted)
+
+
+def test_bfloat16_start_caches_its_own_cast_and_reuses_it(tmp_path: Path) -> None:
+    path = str(write_tiny_gguf(tmp_path / "tiny.gguf"))
+    reference = load_model_files(path, str(tmp_path), torch.float32).state_dict
+    first = load_model_files(path, str(tmp_path), torch.bfloat16).state_dict
+    (cast,) = tmp_path.glob("gguf-*/model.bfloat16.safetensors")
+    second = load_model_files(path, str(tmp_path), torch.bfloat16).state_dict
+    assert cast.is_file()
+    for name, tensor in reference.items():
+        assert second[name].dtype == torch.bfloat16
+        assert torch.equal(first[name], tensor.to(torch.bfloat16)) and torch.equal(second[name], first[name])

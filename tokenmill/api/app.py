@@ -22,8 +22,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenmill.api import errors, protocol
+from tokenmill.api.admission import RETRY_AFTER_S, Admission
 from tokenmill.api.completions import Completion, Engine
 from tokenmill.api.errors import APIError
+from tokenmill.api.guard import RequestGuard
+from tokenmill.api.limits import RequestLimits
 from tokenmill.api.protocol import CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_request
 from tokenmill.api.sse import SSEResponse
 from tokenmill.config import Config
@@ -42,11 +45,14 @@ def create_app(engine: Engine, config: Config) -> FastAPI:
     app.state.engine = engine
     app.state.config = config
     app.state.created = int(time.time())
+    app.state.admission = Admission.from_config(config)
+    app.state.limits = RequestLimits.from_config(config)
     app.include_router(router)
     app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _unexpected_error)
+    app.add_middleware(RequestGuard, max_body_bytes=config.max_request_bytes)
     if config.api_key:
         app.add_middleware(BearerAuth, keys=config.api_key)
     return app
@@ -74,22 +80,33 @@ def _engine(request: Request) -> Engine:
     return engine
 
 
+def _admission(request: Request) -> Admission:
+    admission: Admission = request.app.state.admission
+    return admission
+
+
 def _check_model(model: str | None, engine: Engine) -> None:
     if model is not None and model != engine.model_name:
         raise errors.model_not_found(model)
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=protocol.openapi_body(CompletionRequest))
 async def create_completion(request: Request) -> Response:
-    engine = _engine(request)
+    engine, admission = _engine(request), _admission(request)
+    admission.check_open(engine.is_healthy())
     body = parse_request(CompletionRequest, await request.body())
     _check_model(body.model, engine)
-    completion = Completion(body, engine)
+    completion = Completion(body, engine, request.app.state.limits)
+    ticket = admission.admit([len(p.token_ids) for p in completion.prompts])
+    completion.on_started = ticket.started
     if body.user is not None:
         logger.info("completion %s for user %r", completion.meta.id, body.user)
     if body.stream:
-        return SSEResponse(completion.frames())
-    result = await _cancel_on_disconnect(request, completion.response())
+        return SSEResponse(completion.frames(), on_close=ticket.close)
+    try:
+        result = await _cancel_on_disconnect(request, completion.response())
+    finally:
+        ticket.close()
     if result is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     return JSONResponse(result)
@@ -113,8 +130,10 @@ def _model_card(request: Request) -> dict[str, Any]:
 
 @router.get("/health")
 async def health(request: Request) -> dict[str, str]:
+    if _admission(request).draining:
+        raise errors.service_unavailable("The server is shutting down.", RETRY_AFTER_S)
     if not _engine(request).is_healthy():
-        raise errors.service_unavailable("The engine is not healthy.")
+        raise errors.service_unavailable("The engine is not healthy.", RETRY_AFTER_S)
     return {"status": "ok"}
 
 
@@ -130,7 +149,7 @@ async def stats(request: Request) -> dict[str, Any]:
     return dict(value)
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", openapi_extra=protocol.openapi_body(TokenizeRequest))
 async def tokenize(request: Request) -> dict[str, Any]:
     engine = _engine(request)
     body = parse_request(TokenizeRequest, await request.body())
@@ -147,7 +166,7 @@ async def tokenize(request: Request) -> dict[str, Any]:
     return result
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", openapi_extra=protocol.openapi_body(DetokenizeRequest))
 async def detokenize(request: Request) -> dict[str, str]:
     engine = _engine(request)
     body = parse_request(DetokenizeRequest, await request.body())

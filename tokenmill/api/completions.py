@@ -12,19 +12,29 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from tokenmill.api import protocol, sse
-from tokenmill.api.errors import APIError, context_length_exceeded, invalid_request, server_error
+from tokenmill.api.admission import RETRY_AFTER_S
+from tokenmill.api.errors import (
+    APIError,
+    context_length_exceeded,
+    invalid_request,
+    request_timeout,
+    server_error,
+    service_unavailable,
+)
+from tokenmill.api.limits import RequestLimits
 from tokenmill.api.logprobs import LogprobsBuilder, empty_logprobs, extend_logprobs, finite
 from tokenmill.api.protocol import CompletionMeta, CompletionRequest
 from tokenmill.engine.outputs import FinishReason, RequestOutput, SequenceDelta, TokenLogprob
 from tokenmill.engine.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Tokenizer(Protocol):
@@ -164,11 +174,15 @@ class Choice:
 
 # --- one request ----------------------------------------------------------------------------------------------------
 class Completion:
-    def __init__(self, request: CompletionRequest, engine: Engine) -> None:
+    def __init__(self, request: CompletionRequest, engine: Engine, limits: RequestLimits | None = None) -> None:
         self.request = request
         self.engine = engine
+        self.limits = limits or RequestLimits()
         self.params = request.to_sampling_params()
+        self.limits.check_counts(len(_prompt_items(request.prompt)), self.params.n)
         self.prompts = prepare_prompts(request, engine, self.params.max_tokens)
+        self.limits.check_prompt_tokens([len(p.token_ids) for p in self.prompts])
+        self.on_started: Callable[[int], None] = _ignore  # told when a prompt's first engine output arrives
         self.meta = CompletionMeta(
             id=f"cmpl-{uuid.uuid4().hex}",
             created=int(time.time()),
@@ -216,7 +230,10 @@ class Completion:
 
     def _apply(self, prompt_index: int, output: RequestOutput) -> list[dict[str, Any]]:
         if output.error is not None:
+            if not self.engine.is_healthy():
+                raise service_unavailable("The engine stopped while serving this request; please retry.", RETRY_AFTER_S)
             raise server_error(f"The engine failed on this request: {output.error}")
+        self.on_started(prompt_index)
         prompt = self.prompts[prompt_index]
         prompt.cached_tokens = max(prompt.cached_tokens, output.num_cached_tokens)
         if output.prompt_logprobs is not None:
@@ -251,16 +268,26 @@ class Completion:
             self.engine.generate(f"{self.meta.id}-{i}", prompt.token_ids, self.params)
             for i, prompt in enumerate(self.prompts)
         ]
-        return merge(generators)
+        return merge(generators, self.limits.timeout_s)
+
+
+def _ignore(prompt_index: int) -> None:
+    pass
 
 
 # --- running prompts concurrently -----------------------------------------------------------------------------------
 _END = object()
 
 
-async def merge(generators: list[AsyncIterator[RequestOutput]]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-    """(generator index, item) as items arrive from any generator. Closing this closes them all (engine abort)."""
+async def merge(
+    generators: list[AsyncIterator[RequestOutput]], timeout_s: float | None = None
+) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """(generator index, item) as items arrive from any generator. Closing this closes them all (engine abort).
+
+    Past `timeout_s` it raises the request-timeout APIError, which closes them all too.
+    """
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
 
     async def pump(index: int, generator: AsyncIterator[RequestOutput]) -> None:
         try:
@@ -278,7 +305,7 @@ async def merge(generators: list[AsyncIterator[RequestOutput]]) -> AsyncGenerato
     try:
         running = len(tasks)
         while running:
-            index, item = await queue.get()
+            index, item = await _next(queue, deadline, timeout_s)
             if item is _END:
                 running -= 1
             elif isinstance(item, Exception):
@@ -289,3 +316,12 @@ async def merge(generators: list[AsyncIterator[RequestOutput]]) -> AsyncGenerato
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _next(queue: asyncio.Queue[T], deadline: float | None, timeout_s: float | None) -> T:
+    if deadline is None or timeout_s is None:
+        return await queue.get()
+    try:
+        return await asyncio.wait_for(queue.get(), deadline - asyncio.get_running_loop().time())
+    except TimeoutError:
+        raise request_timeout(timeout_s) from None

@@ -79,5 +79,24 @@ def server_error(message: str = "The server had an error while processing your r
     return APIError(500, message, SERVER_ERROR)
 
 
-def service_unavailable(message: str) -> APIError:
-    return APIError(503, message, SERVER_ERROR, None, "service_unavailable")
+def service_unavailable(message: str, retry_after_s: int | None = None) -> APIError:
+    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
+    return APIError(503, message, SERVER_ERROR, None, "service_unavailable", headers)
+
+
+def rate_limited(message: str, limit: str, retry_after_s: int) -> APIError:
+    """429 as the hosted API words it: type names the exhausted limit ("requests" or "tokens")."""
+    return APIError(429, message, limit, None, "rate_limit_exceeded", {"Retry-After": str(retry_after_s)})
+
+
+def unsupported_media_type(content_type: str) -> APIError:
+    message = f"Unsupported Content-Type {content_type!r}: send the request body as JSON (Content-Type: application/json)."
+    return APIError(415, message, INVALID_REQUEST, None, "unsupported_media_type")
+
+
+def request_timeout(timeout_s: float) -> APIError:
+    message = (
+        f"The request did not finish within this server's limit of {timeout_s:g} s (--request-timeout-s); "
+        "it was stopped and its resources freed."
+    )
+    return APIError(504, message, SERVER_ERROR, None, "request_timeout")

@@ -21,6 +21,9 @@ DEFAULT_MAX_TOKENS = 16
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
 MAX_STOP_SEQUENCES = 4
+MAX_STOP_CHARS = 1024  # longer stop strings make the hold-back search slow and cannot be useful
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_TOKEN_ID_DIGITS = 12  # a logit_bias key longer than this is no token id (and would be slow to convert)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 PromptInput = str | list[str] | list[int] | list[list[int]]
@@ -45,7 +48,7 @@ class CompletionRequest(_Strict):
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
-    max_tokens: Annotated[int, Field(ge=0)] | None = None
+    max_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None
     n: Annotated[int, Field(ge=1, le=128)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
@@ -82,13 +85,20 @@ class CompletionRequest(_Strict):
                 raise PydanticCustomError("stop", "'stop' must be a string or an array of 1 to 4 strings")
             if any(item == "" for item in items):
                 raise PydanticCustomError("stop", "'stop' sequences must not be empty strings")
+            if any(isinstance(item, str) and len(item) > MAX_STOP_CHARS for item in items):
+                raise PydanticCustomError("stop", f"'stop' sequences must be at most {MAX_STOP_CHARS} characters long")
         return value
 
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is not None and len(value) > MAX_LOGIT_BIAS_ENTRIES:
+            raise PydanticCustomError(
+                "logit_bias", f"'logit_bias' may have at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(value)}"
+            )
         for key in value or {}:
-            if not key.strip().lstrip("-").isdigit():
+            digits = key.strip().lstrip("-")
+            if len(key) > MAX_TOKEN_ID_DIGITS or not (digits.isascii() and digits.isdigit()):
                 raise PydanticCustomError("logit_bias", "'logit_bias' keys must be token ids (integers as strings)")
         return value
 
@@ -174,13 +184,31 @@ def parse_request(model: type[M], body: bytes) -> M:
         raise api_error_from_validation(exc.errors()) from None
 
 
+def openapi_body(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI `requestBody` of a route that parses `model` itself with parse_request (so that bad values stay
+    400s naming the param, never FastAPI's 422): the model's JSON schema, nested models inlined."""
+    schema = model.model_json_schema()
+    definitions = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return inline(definitions[ref.removeprefix("#/$defs/")])
+            return {key: inline(value) for key, value in node.items()}
+        return [inline(item) for item in node] if isinstance(node, list) else node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
+
+
 def api_error_from_validation(errors: Sequence[ErrorDetails | dict[str, Any]], loc_prefix: int = 0) -> APIError:
     """The first pydantic error as a 400; `loc_prefix` drops FastAPI's leading ("body",)."""
     first = errors[0] if errors else {"type": "invalid", "loc": (), "msg": "Invalid request"}
     kind = str(first.get("type", ""))
     loc = [str(part) for part in tuple(first.get("loc", ()))[loc_prefix:]]
-    if kind == "json_invalid":
-        return invalid_request("We could not parse the JSON body of your request: it is not valid JSON.")
+    if kind == "json_invalid":  # the parser's reason: syntax, nesting too deep, bad UTF-8, number out of range
+        reason = str(first.get("msg", "")).removeprefix("Invalid JSON: ")
+        return invalid_request(f"We could not parse the JSON body of your request: it is not valid JSON ({reason}).")
     if not loc:
         return invalid_request("The request body must be a JSON object.")
     if kind == "extra_forbidden":

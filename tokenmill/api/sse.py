@@ -7,7 +7,7 @@ its body iterator, so the engine requests behind it are aborted and their KV blo
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
@@ -34,9 +34,10 @@ def error_frame(error: APIError) -> str:
 
 
 class SSEResponse(StreamingResponse):
-    def __init__(self, frames: AsyncIterator[str]) -> None:
+    def __init__(self, frames: AsyncIterator[str], on_close: Callable[[], None] | None = None) -> None:
         super().__init__(frames, media_type="text/event-stream", headers=HEADERS)
         self._frames = frames
+        self._on_close = on_close  # runs once the stream is over, however it ended
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -53,7 +54,11 @@ class SSEResponse(StreamingResponse):
                 await self.listen_for_disconnect(receive)
                 group.cancel_scope.cancel()
         finally:
-            aclose = getattr(self._frames, "aclose", None)
-            if aclose is not None:
-                with anyio.CancelScope(shield=True):
-                    await aclose()
+            try:
+                aclose = getattr(self._frames, "aclose", None)
+                if aclose is not None:
+                    with anyio.CancelScope(shield=True):
+                        await aclose()
+            finally:
+                if self._on_close is not None:
+                    self._on_close()

@@ -1,11 +1,14 @@
 """EngineCore: the synchronous engine. One step reads as schedule → run model → postprocess.
 
 Only the engine's worker thread calls into this class; the async front (engine.py) hands it requests and aborts.
+A fault that belongs to one request (non-finite logits in its rows, an exception while sampling, detokenising or
+stopping its text) fails that request alone, with an error output; a failed forward pass fails that batch's requests.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -67,6 +70,7 @@ class EngineCore:
         self.requests: dict[str, RequestState] = {}
         self.stats = EngineStats()
         self._token_texts: dict[int, str] = {}
+        self._failed: list[RequestOutput] = []  # error outputs of requests failed during this step
 
     # ---- requests in and out ----
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -85,6 +89,15 @@ class EngineCore:
             self.scheduler.finish(seq)
             seq.finish(FinishReason.ABORT)
 
+    def fail(self, request_id: str, message: str) -> None:
+        """End one request with an error (its blocks are freed); the others carry on."""
+        state = self.requests.get(request_id)
+        if state is None:
+            return
+        log.error("request %s failed: %s", request_id, message)
+        self.abort(request_id)
+        self._failed.append(RequestOutput(request_id, [], state.prompt_ids, finished=True, error=message))
+
     @property
     def has_work(self) -> bool:
         return bool(self.requests)
@@ -93,40 +106,100 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if batch:
-            hidden = self.runner.forward(batch)
-            self._postprocess(batch, hidden)
+            hidden = self._forward(batch)
+            if hidden is not None:
+                self._postprocess(batch, hidden)
             self._count(batch)
-        return self._collect_outputs()
+        failed, self._failed = self._failed, []
+        return failed + self._collect_outputs()
+
+    def _forward(self, batch: list[Scheduled]) -> torch.Tensor | None:
+        try:
+            return self.runner.forward(batch)
+        except Exception as exc:  # the batch's KV state is unknown: fail its requests, keep the waiting ones
+            log.exception("forward pass failed")
+            for request_id in dict.fromkeys(s.seq.request_id for s in batch):
+                self.fail(request_id, _describe(exc))
+            return None
 
     def _postprocess(self, batch: list[Scheduled], hidden: torch.Tensor) -> None:
         to_sample: list[tuple[int, Sequence]] = []  # (row of hidden, sequence)
         row = 0
         for s in batch:
-            seq, start = s.seq, s.seq.num_computed_tokens
-            if seq.wants_prompt_logprobs and start < seq.num_prompt_tokens:
-                self._add_prompt_logprobs(seq, hidden[row : row + s.num_tokens], start)
-            seq.num_computed_tokens += s.num_tokens
-            row += s.num_tokens
-            if seq.num_computed_tokens < seq.num_tokens:
-                continue  # mid-prefill: more chunks to go
-            self.blocks.register_full_blocks(seq.token_ids, seq.block_table, seq.num_computed_tokens)
-            if seq.params.max_tokens == 0:
-                self._finish_without_output(seq)
-                continue
-            to_sample.append((row - 1, seq))
-            if seq.params.n > 1 and not seq.forked:
-                to_sample.extend((row - 1, child) for child in self._fork(seq))
+            first, row = row, row + s.num_tokens
+            if s.seq.is_finished:
+                continue  # its request failed earlier in this step
+            try:
+                to_sample += self._advance(s, hidden[first:row], row - 1)
+            except Exception as exc:
+                log.exception("postprocessing %s failed", s.seq.request_id)
+                self.fail(s.seq.request_id, _describe(exc))
         if to_sample:
             self._sample(to_sample, hidden)
 
+    def _advance(self, s: Scheduled, hidden: torch.Tensor, last_row: int) -> list[tuple[int, Sequence]]:
+        """Account one scheduled chunk; returns the (row, sequence) pairs that sample a token now."""
+        seq, start = s.seq, s.seq.num_computed_tokens
+        if seq.wants_prompt_logprobs and start < seq.num_prompt_tokens:
+            self._add_prompt_logprobs(seq, hidden, start)
+        seq.num_computed_tokens += s.num_tokens
+        if seq.num_computed_tokens < seq.num_tokens:
+            return []  # mid-prefill: more chunks to go
+        self.blocks.register_full_blocks(seq.token_ids, seq.block_table, seq.num_computed_tokens)
+        if seq.params.max_tokens == 0:
+            self._finish_without_output(seq)
+            return []
+        if seq.params.n > 1 and not seq.forked:
+            return [(last_row, seq), *((last_row, child) for child in self._fork(seq))]
+        return [(last_row, seq)]
+
     def _sample(self, to_sample: list[tuple[int, Sequence]], hidden: torch.Tensor) -> None:
+        to_sample = [(r, seq) for r, seq in to_sample if not seq.is_finished]
+        if not to_sample:
+            return
         rows = sorted({r for r, _ in to_sample})
         logits = self.runner.logits(hidden[rows])  # (R, V)
         where = {r: i for i, r in enumerate(rows)}
         logits = logits[[where[r] for r, _ in to_sample]]  # (N, V): forked choices share their parent's row
+        to_sample, logits = self._drop_non_finite(to_sample, logits)
         inputs = [SampleInput(seq.params, seq.generator, seq.output_counts) for _, seq in to_sample]
-        for (_, seq), result in zip(to_sample, sample(logits, inputs)):
-            self._append(seq, result)
+        for (_, seq), result in zip(to_sample, self._sample_rows(logits, inputs)):
+            if seq.is_finished:
+                continue  # another choice of its request failed
+            try:
+                if isinstance(result, Exception):
+                    raise result
+                self._append(seq, result)
+            except Exception as exc:
+                log.exception("sampling or detokenising %s failed", seq.request_id)
+                self.fail(seq.request_id, _describe(exc))
+
+    def _drop_non_finite(
+        self, to_sample: list[tuple[int, Sequence]], logits: torch.Tensor
+    ) -> tuple[list[tuple[int, Sequence]], torch.Tensor]:
+        """A NaN/inf logits row fails its request alone; the rest of the batch samples as usual."""
+        finite = torch.isfinite(logits.sum(dim=-1)).tolist()  # (N,): one pass; a NaN or inf anywhere spoils the sum
+        for (_, seq), ok in zip(to_sample, finite):
+            if not ok:
+                self.fail(seq.request_id, "the model produced non-finite logits for this request")
+        keep = [i for i, (_, seq) in enumerate(to_sample) if not seq.is_finished]
+        if len(keep) == len(to_sample):
+            return to_sample, logits
+        return [to_sample[i] for i in keep], logits[keep]
+
+    def _sample_rows(self, logits: torch.Tensor, inputs: list[SampleInput]) -> list[Sampled | Exception]:
+        """The batch at once; if that fails, row by row, so only the row at fault fails."""
+        try:
+            return list(sample(logits, inputs))
+        except Exception:
+            log.exception("batched sampling failed; sampling row by row")
+        results: list[Sampled | Exception] = []
+        for i, row in enumerate(inputs):
+            try:
+                results.extend(sample(logits[i : i + 1], [row]))
+            except Exception as exc:  # noqa: BLE001 - handed to the caller, which fails that row's request
+                results.append(exc)
+        return results
 
     def _append(self, seq: Sequence, result: Sampled) -> None:
         entry = None
@@ -189,12 +262,13 @@ class EngineCore:
             entries.clear()
             first = seq.token_ids[0]
             entries.append(TokenLogprob(first, self.token_text(first), None, []))
-        entries.extend(
-            prompt_logprob_entries(
-                self.runner, hidden, seq.token_ids, start, seq.num_prompt_tokens, seq.params.prompt_logprobs or 0,
-                self.token_text,
-            )
+        new = prompt_logprob_entries(
+            self.runner, hidden, seq.token_ids, start, seq.num_prompt_tokens, seq.params.prompt_logprobs or 0,
+            self.token_text,
         )
+        if any(e.logprob is not None and math.isnan(e.logprob) for e in new):
+            raise FloatingPointError("the model produced non-finite logits for this prompt")
+        entries.extend(new)
         if len(entries) == seq.num_prompt_tokens:
             seq.prompt_logprobs = entries
 
@@ -263,3 +337,6 @@ class EngineCore:
         st.num_preemptions = self.scheduler.num_preemptions
         return EngineStats(**vars(st))
 
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"

@@ -2,7 +2,8 @@
 
 Requests and aborts arriving from the event loop are queued in an inbox that the worker drains at the start of every
 step, so a request that arrives while others run joins the very next step (continuous batching), and an abort frees
-its blocks within one step. Only the worker thread touches EngineCore.
+its blocks within one step. Only the worker thread touches EngineCore. If the loop itself ends (stopped, or a bug),
+every waiting caller gets a final error output instead of waiting forever, and `is_healthy()` turns false.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch import nn
 
 from tokenmill import __version__
 from tokenmill.config import Config
-from tokenmill.engine.core import EngineCore, EngineStats
+from tokenmill.engine.core import EngineCore, EngineStats, RequestState
 from tokenmill.engine.kv_cache import BlockManager, kv_bytes_per_token
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.runner import ModelRunner
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 
 _Add = tuple[str, list[int], SamplingParams]
 DEFAULT_MAX_MODEL_LEN = 8192
+ENGINE_STOPPED = "the engine is not running"
 
 
 class AsyncEngine:
@@ -86,6 +88,9 @@ class AsyncEngine:
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
+        if self._task is not None and self._task.done():
+            yield RequestOutput(request_id, [], list(prompt_token_ids), finished=True, error=ENGINE_STOPPED)
+            return
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request_id] = queue
         with self._lock:
@@ -113,6 +118,15 @@ class AsyncEngine:
 
     # ---- the loop ----
     async def _run(self) -> None:
+        try:
+            await self._loop()
+        except Exception:
+            log.exception("the engine loop died; the server can no longer serve")
+        finally:
+            for request_id, queue in list(self._queues.items()):
+                queue.put_nowait(RequestOutput(request_id, [], [], finished=True, error=ENGINE_STOPPED))
+
+    async def _loop(self) -> None:
         assert self._wakeup is not None
         loop = asyncio.get_running_loop()
         while True:
@@ -138,14 +152,21 @@ class AsyncEngine:
             for request_id in aborts:
                 self.core.abort(request_id)
             for request_id, ids, params in adds:
-                if request_id in aborts:
-                    continue
-                self.core.add_request(request_id, ids, params)
+                if request_id not in aborts:
+                    self._add(request_id, ids, params)
         try:
             return self.core.step()
         except Exception as exc:  # one bad step fails the requests in flight, not the server
             log.exception("engine step failed")
             return self._fail_all(f"engine error: {type(exc).__name__}: {exc}")
+
+    def _add(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
+        try:
+            self.core.add_request(request_id, ids, params)
+        except Exception as exc:  # a request the core cannot take fails alone
+            log.exception("adding request %s failed", request_id)
+            self.core.requests.setdefault(request_id, RequestState(ids, params))
+            self.core.fail(request_id, f"{type(exc).__name__}: {exc}")
 
     def _fail_all(self, message: str) -> list[RequestOutput]:
         outputs = []
@@ -157,13 +178,16 @@ class AsyncEngine:
 
 
 def system_fingerprint(source_id: str, config: Config) -> str:
-    """Changes when, and only when, something that can change outputs changes: weights, dtype, engine version."""
-    key = f"{source_id}|{config.dtype}|{__version__}"
+    """Changes when, and only when, something that can change outputs changes: weights, dtype, quantisation, version."""
+    key = f"{source_id}|{config.dtype}|{config.quantization}|{__version__}"
     return "fp_" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
 def build_engine_core(model: nn.Module, tokenizer: Tokenizer, config: Config) -> EngineCore:
-    """Sizes the KV cache from the config and wires the core's parts together."""
+    """Sizes the KV cache from the config and wires the core's parts together (the model's linears are swapped)."""
+    from tokenmill.model.linear import prepare_linears
+
+    prepare_linears(model, config.quantization)
     cfg: ModelConfig = model.config
     dtype = next(model.parameters()).dtype
     block_bytes = kv_bytes_per_token(cfg, dtype) * config.block_size

@@ -21,7 +21,8 @@ def allocate_kv_tensors(
     cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
-    return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
+    # empty, not zeros: untouched pages cost no memory, and attention only reads slots that were written
+    return [(torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:

@@ -52,9 +52,6 @@ class ModelRunner:
             context_lens=context_lens,
             kv_slots=kv_slots,
         )
-        if all(s.num_tokens == 1 for s in batch):
-            meta.decode_slots = torch.nn.utils.rnn.pad_sequence(kv_slots, batch_first=True)  # (B, L_max)
-            meta.decode_context_lens = torch.tensor(context_lens)
         return torch.tensor(ids), torch.tensor(pos), meta
 
     def _slots(self, block_table: list[int], num_tokens: int) -> torch.Tensor:

@@ -32,15 +32,17 @@ class Sampled:
 
 def sample(logits: torch.Tensor, rows: Seq[SampleInput]) -> list[Sampled]:
     """logits: (N, V) float32 raw model logits, one row per entry of `rows`."""
-    logprobs = torch.log_softmax(logits, dim=-1)  # (N, V)
+    log_norm = torch.logsumexp(logits, dim=-1)  # (N,): logprob = logit - log_norm, without a (N, V) copy
     processed = apply_logit_bias(logits, rows)
     processed = apply_penalties(processed, rows)
+    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+    chosen = dict(zip(greedy, processed[greedy].argmax(dim=-1).tolist())) if greedy else {}  # one pass for all
     results = []
     for i, row in enumerate(rows):
-        token = _choose(processed[i], row)
+        token = chosen[i] if i in chosen else _choose(processed[i], row)
         k = row.params.logprobs or 0
-        top = _top_k(logprobs[i], k) if k else []
-        results.append(Sampled(token, float(logprobs[i, token]), top))
+        top = _top_k(logits[i], k, float(log_norm[i])) if k else []
+        results.append(Sampled(token, float(logits[i, token] - log_norm[i]), top))
     return results
 
 
@@ -69,25 +71,28 @@ def apply_penalties(logits: torch.Tensor, rows: Seq[SampleInput]) -> torch.Tenso
 
 
 def _choose(logits: torch.Tensor, row: SampleInput) -> int:
-    """logits: (V,) processed logits of one sequence."""
+    """logits: (V,) processed logits of one sampling (temperature > 0) sequence."""
     p = row.params
-    if p.greedy:
-        return int(torch.argmax(logits))
     probs = torch.softmax(logits / p.temperature, dim=-1)  # (V,)
     if p.top_p < 1.0:
         probs = _top_p_filter(probs, p.top_p)
     return int(torch.multinomial(probs, 1, generator=row.generator))
 
 
+TOP_P_CANDIDATES = 1024  # sorting 262k probabilities per token is slow; the nucleus is nearly always far smaller
+
+
 def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches top_p (always at least one)."""
-    sorted_probs, order = torch.sort(probs, descending=True)
+    sorted_probs, order = torch.topk(probs, min(TOP_P_CANDIDATES, probs.shape[0]))
+    if float(sorted_probs.sum()) < top_p:  # the nucleus is larger than the candidates: sort everything
+        sorted_probs, order = torch.sort(probs, descending=True)
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
     sorted_probs[mass_before >= top_p] = 0.0
     sorted_probs[0] = max(float(sorted_probs[0]), 1e-30)  # top_p == 0 still keeps the best token
     return torch.zeros_like(probs).scatter_(0, order, sorted_probs)
 
 
-def _top_k(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
-    values, ids = torch.topk(logprobs, k)
-    return list(zip(ids.tolist(), values.tolist()))
+def _top_k(logits: torch.Tensor, k: int, log_norm: float) -> list[tuple[int, float]]:
+    values, ids = torch.topk(logits, k)
+    return list(zip(ids.tolist(), (values - log_norm).tolist()))

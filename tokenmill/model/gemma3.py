@@ -88,6 +88,7 @@ class Gemma3ForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Gemma3Model(cfg)
+        self.lm_head: nn.Module | None = None  # tied to the embedding unless replaced by a quantised copy
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -108,12 +109,13 @@ class Gemma3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (N, H) → float32 logits (N, V)."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        logits = self.lm_head(hidden) if self.lm_head is not None else F.linear(hidden, self.lm_head_weight)
+        return logits.float()
 
     @torch.inference_mode()
     def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits for every position of one sequence, with a throwaway cache (tests and scoring checks)."""
         t = input_ids.shape[0]
-        caches = empty_kv_caches(self.config, t, self.lm_head_weight.dtype)
+        caches = empty_kv_caches(self.config, t, self.model.embed_tokens.weight.dtype)
         hidden = self.forward(input_ids, torch.arange(t), caches, dense_metadata(t))
         return self.compute_logits(hidden)

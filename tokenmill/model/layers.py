@@ -65,22 +65,6 @@ class AttentionMetadata:
     query_lens: list[int]
     context_lens: list[int]
     kv_slots: list[torch.Tensor]  # per sequence (context_len,)
-    # Decode fast path (every query_len == 1): all sequences' slots padded to one rectangle.
-    decode_slots: torch.Tensor | None = None  # (B, L_max)
-    decode_context_lens: torch.Tensor | None = None  # (B,)
-
-    @property
-    def is_decode(self) -> bool:
-        return self.decode_slots is not None
-
-
-def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """Causal mask (optionally sliding-window) for query positions (..., Q) against key positions (..., K)."""
-    delta = q_pos[..., :, None] - k_pos[..., None, :]  # (..., Q, K)
-    allowed = delta >= 0
-    if window is not None:
-        allowed &= delta < window
-    return allowed
 
 
 def paged_attention(
@@ -92,53 +76,50 @@ def paged_attention(
     scale: float,
     window: int | None,
 ) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend each sequence's queries over its own cached context."""
+    """Write this step's K/V into the cache, then attend each sequence's queries over its own cached context.
+
+    Sequences are attended one at a time, never padded into a batch: padding changes the reduction order, so a
+    sequence's numbers would depend on its neighbours. This way a sequence computes the same values alone or under load.
+    """
     k_cache, v_cache = kv_cache
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
-    if meta.is_decode:
-        return _decode_attention(q, k_cache, v_cache, meta, scale, window)
     out = torch.empty_like(q)
     start = 0
     for q_len, ctx_len, slots in zip(meta.query_lens, meta.context_lens, meta.kv_slots):
         end = start + q_len
-        keys, values = k_cache[slots], v_cache[slots]  # (L, Hkv, D)
-        q_pos = torch.arange(ctx_len - q_len, ctx_len)
-        mask = _window_mask(q_pos, torch.arange(ctx_len), window)  # (Q, L)
-        o = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1),  # (Hq, Q, D)
-            keys.transpose(0, 1),  # (Hkv, L, D)
-            values.transpose(0, 1),
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[start:end] = o.transpose(0, 1)
+        out[start:end] = attend(q[start:end], k_cache, v_cache, slots, ctx_len, scale, window)
         start = end
     return out
 
 
-def _decode_attention(
-    q: torch.Tensor,  # (B, Hq, D)
+def attend(
+    q: torch.Tensor,  # (Q, Hq, D): the last Q positions of a ctx_len-long context
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    meta: AttentionMetadata,
+    slots: torch.Tensor,  # (ctx_len,)
+    ctx_len: int,
     scale: float,
     window: int | None,
 ) -> torch.Tensor:
-    assert meta.decode_slots is not None and meta.decode_context_lens is not None
-    keys = k_cache[meta.decode_slots].transpose(1, 2)  # (B, Hkv, L, D)
-    values = v_cache[meta.decode_slots].transpose(1, 2)
-    ctx = meta.decode_context_lens
-    k_pos = torch.arange(meta.decode_slots.shape[1])
-    mask = _window_mask((ctx - 1)[:, None], k_pos[None, :].expand(len(ctx), -1), window)  # (B, 1, L)
-    mask &= k_pos[None, None, :] < ctx[:, None, None]  # padding beyond each sequence's context
-    o = F.scaled_dot_product_attention(
-        q[:, :, None, :],  # (B, Hq, 1, D)
-        keys,
-        values,
-        attn_mask=mask[:, None, :, :],  # (B, 1, 1, L)
-        scale=scale,
-        enable_gqa=True,
-    )
-    return o[:, :, 0, :]  # (B, Hq, D)
+    """Each query row attends over exactly its own visible keys, one row at a time.
+
+    A row's result then depends only on its own keys, never on how the prompt was split into chunks, on which prefix
+    came from the cache, or on the batch: a masked or padded block changes the order of the float reductions.
+    """
+    keys = k_cache[slots].transpose(0, 1)  # (Hkv, L, D)
+    values = v_cache[slots].transpose(0, 1)
+    out = torch.empty_like(q)
+    first = ctx_len - q.shape[0]
+    for i in range(q.shape[0]):
+        end = first + i + 1  # positions [lo, end) are visible to this query
+        lo = max(0, end - window) if window is not None else 0
+        o = F.scaled_dot_product_attention(
+            q[i, :, None, :],  # (Hq, 1, D)
+            keys[:, lo:end],
+            values[:, lo:end],
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[i] = o[:, 0, :]
+    return out

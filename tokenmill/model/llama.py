@@ -80,7 +80,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        untied = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head: nn.Module | None = untied
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -98,12 +99,13 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (N, H) → float32 logits (N, V)."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        logits = self.lm_head(hidden) if self.lm_head is not None else F.linear(hidden, self.lm_head_weight)
+        return logits.float()
 
     @torch.inference_mode()
     def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits for every position of one sequence, with a throwaway cache (tests and scoring checks)."""
         t = input_ids.shape[0]
-        caches = empty_kv_caches(self.config, t, self.lm_head_weight.dtype)
+        caches = empty_kv_caches(self.config, t, self.model.embed_tokens.weight.dtype)
         hidden = self.forward(input_ids, torch.arange(t), caches, dense_metadata(t))
         return self.compute_logits(hidden)

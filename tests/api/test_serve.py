@@ -1,0 +1,182 @@
+"""A real `tokenmill serve` process on the tiny model (127.0.0.1 only): overload, SIGTERM drain, grace expiry.
+
+Every loop here is bounded in count and in time; the process is always stopped (killed if it will not stop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.api.api_helpers import parse_sse
+
+START_TIMEOUT_S = 120
+NO_EOS = {"1": -100}  # the tiny tokenizer's <eos>: these requests run to max_tokens
+
+
+@dataclass
+class Server:
+    base_url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def wait_exit(self, timeout_s: float = 60) -> int:
+        return self.process.wait(timeout=timeout_s)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def serve(model_dir: Path, tmp_path: Path, *flags: str) -> Iterator[Server]:
+    port, log = free_port(), tmp_path / f"server-{time.monotonic_ns()}.log"
+    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--model", str(model_dir), "--cache-dir", str(tmp_path),
+           "--host", "127.0.0.1", "--port", str(port), *flags]
+    with log.open("wb") as out:
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    server = Server(f"http://127.0.0.1:{port}", process, log)
+    try:
+        _wait_healthy(server)
+        yield server
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+
+
+def _wait_healthy(server: Server) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        assert server.process.poll() is None, server.log.read_text()
+        try:
+            if httpx.get(server.base_url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError("the server did not become healthy")
+
+
+def long_request(model: str, **fields: Any) -> dict[str, Any]:
+    return {"model": model, "prompt": "hello", "max_tokens": 150, "logit_bias": NO_EOS, **fields}
+
+
+async def _until(client: httpx.AsyncClient, path: str, done: Any, timeout_s: float = 30) -> Any:
+    """Poll GET `path` until `done(response)` holds (bounded)."""
+    for _ in range(int(timeout_s / 0.01)):
+        response = await client.get(path)
+        if done(response):
+            return response
+        await asyncio.sleep(0.01)
+    raise TimeoutError(path)
+
+
+def test_at_four_times_the_queue_cap_every_request_is_200_or_429_and_health_answers(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    flags = ("--max-num-seqs", "2", "--max-waiting-requests", "4", "--log-level", "warning")
+    with serve(tiny_model_dir, tmp_path, *flags) as server:
+        statuses, health = asyncio.run(asyncio.wait_for(_overload(server, tiny_model_dir.name), 120))
+        stats = httpx.get(server.base_url + "/stats", timeout=10).json()
+    assert set(statuses) <= {200, 429}, statuses
+    assert statuses.count(429) > 0 and statuses.count(200) >= 4
+    assert health and set(health) == {200}
+    assert stats["num_used_blocks"] == 0 and stats["num_running"] == 0
+
+
+async def _overload(server: Server, model: str) -> tuple[list[int], list[int]]:
+    """16 concurrent requests (4 × the waiting cap), then 16 more, while /health is polled throughout."""
+    statuses: list[int] = []
+    health: list[int] = []
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
+
+        async def one(i: int) -> None:
+            response = await client.post("/v1/completions", json=long_request(model, n=2, stream=i % 2 == 0))
+            if response.status_code == 429:
+                assert response.headers["retry-after"] == "1"
+                assert response.json()["error"]["code"] == "rate_limit_exceeded"
+            elif response.status_code == 200 and i % 2 == 0:
+                assert parse_sse(response.text)[-1] == "[DONE]"
+            statuses.append(response.status_code)
+
+        async def poll_health(stop: asyncio.Event) -> None:
+            while not stop.is_set():
+                health.append((await client.get("/health")).status_code)
+                await asyncio.sleep(0.05)
+
+        stop = asyncio.Event()
+        poller = asyncio.create_task(poll_health(stop))
+        for _ in range(2):
+            await asyncio.gather(*(one(i) for i in range(16)))
+        stop.set()
+        await poller
+    return statuses, health
+
+
+def test_sigterm_refuses_new_requests_finishes_in_flight_ones_and_exits_0(tiny_model_dir: Path, tmp_path: Path) -> None:
+    model = tiny_model_dir.name
+    with serve(tiny_model_dir, tmp_path, "--max-num-seqs", "1", "--shutdown-grace-s", "60") as server:
+
+        async def scenario() -> tuple[list[httpx.Response], httpx.Response, httpx.Response]:
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
+                in_flight = [
+                    asyncio.create_task(client.post("/v1/completions", json=long_request(model, stream=i == 0)))
+                    for i in range(4)
+                ]
+                await _until(client, "/stats", lambda r: r.json()["num_running"] > 0)
+                server.process.send_signal(signal.SIGTERM)
+                health = await _until(client, "/health", lambda r: r.status_code == 503)
+                refused = await client.post("/v1/completions", json=long_request(model))
+                return list(await asyncio.gather(*in_flight)), health, refused
+
+        finished, health, refused = asyncio.run(asyncio.wait_for(scenario(), 120))
+        code = server.wait_exit()
+    assert code == 0
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["code"] == "service_unavailable" and health.headers["retry-after"] == "1"
+    assert [r.status_code for r in finished] == [200] * 4
+    assert parse_sse(finished[0].text)[-1] == "[DONE]"
+    assert all(r.json()["usage"]["completion_tokens"] == 150 for r in finished[1:])
+    assert "in flight get 60 s to finish" in server.log.read_text()
+
+
+def test_past_the_grace_period_what_still_runs_ends_with_503_and_the_process_exits_0(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    model = tiny_model_dir.name
+    with serve(tiny_model_dir, tmp_path, "--max-num-seqs", "1", "--shutdown-grace-s", "0.1") as server:
+
+        async def scenario() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
+                in_flight = [
+                    asyncio.create_task(client.post("/v1/completions", json=long_request(model, stream=i == 0)))
+                    for i in range(4)
+                ]
+                await _until(client, "/stats", lambda r: r.json()["num_running"] > 0)
+                server.process.send_signal(signal.SIGTERM)
+                return list(await asyncio.gather(*in_flight))
+
+        responses = asyncio.run(asyncio.wait_for(scenario(), 120))
+        code = server.wait_exit()
+    assert code == 0
+    streamed = parse_sse(responses[0].text)
+    assert responses[0].status_code == 200 and streamed[-1] == "[DONE]"
+    plain = [r.status_code for r in responses[1:]]
+    assert set(plain) <= {200, 503} and 503 in plain
+    assert all(r.json()["error"]["code"] == "service_unavailable" for r in responses[1:] if r.status_code == 503)
+    assert "grace period over" in server.log.read_text()

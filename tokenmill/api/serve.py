@@ -1,0 +1,72 @@
+"""Run the app under uvicorn, and shut down gently on SIGTERM.
+
+On SIGTERM the listener stays open but new completions (and /health) answer 503 with `Retry-After`, so a load balancer
+moves traffic elsewhere; completions already admitted run on for up to `shutdown_grace_s`. Then the engine stops, so
+whatever still runs ends with a 503 (an error frame then `[DONE]` when streaming), uvicorn stops, and the process exits
+0. A second SIGTERM stops at once; SIGINT behaves as uvicorn's always does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+from collections.abc import Awaitable, Callable
+from types import FrameType
+
+import uvicorn
+from fastapi import FastAPI
+
+from tokenmill.api.admission import Admission
+from tokenmill.config import Config
+
+log = logging.getLogger(__name__)
+
+CANCEL_AFTER_GRACE_S = 1  # after the grace period, how long uvicorn waits before cancelling what still runs
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(
+        self, config: uvicorn.Config, admission: Admission, grace_s: float, stop_engine: Callable[[], Awaitable[None]]
+    ) -> None:
+        super().__init__(config)
+        self.admission = admission
+        self.grace_s = grace_s
+        self.stop_engine = stop_engine
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain: asyncio.Task[None] | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig != signal.SIGTERM or not self.started or self._loop is None:
+            super().handle_exit(sig, frame)
+        elif self.admission.draining:
+            self.should_exit = True  # a second SIGTERM: stop now (and still exit 0: the signal is not re-raised)
+        else:
+            self.admission.begin_drain()
+            self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain = asyncio.ensure_future(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        log.info("SIGTERM: refusing new requests; %d in flight get %.0f s to finish", self.admission.in_flight,
+                 self.grace_s)
+        if not await self.admission.wait_idle(self.grace_s):
+            log.warning("grace period over: ending %d request(s) still in flight", self.admission.in_flight)
+            await self.stop_engine()
+        self.should_exit = True
+
+
+def serve(app: FastAPI, config: Config) -> int:
+    admission: Admission = app.state.admission
+    uv_config = uvicorn.Config(
+        app, host=config.host, port=config.port, log_level=config.log_level,
+        timeout_graceful_shutdown=CANCEL_AFTER_GRACE_S,
+    )
+    DrainingServer(uv_config, admission, config.shutdown_grace_s, app.state.engine.stop).run()
+    return 0

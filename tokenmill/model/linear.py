@@ -1,0 +1,106 @@
+"""The engine's linear layers: weight-only quantised for fast CPU decode, or row-padded for fp32 batch invariance.
+
+A decode step reads every weight once per token, so on a memory-bound CPU the step time follows the weights' bytes:
+int8 halves bf16's. Activations stay in the compute dtype and torch's own CPU kernels do the matmul
+(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`); quantising changes logits, so the unquantised modes stay for
+scoring.
+
+Batch invariance: a row's result must not depend on how many other rows share the matmul, or a request's text would
+depend on the load. bf16 (oneDNN) and the int8/int4 kernels give the same row results for every batch size; fp32
+(MKL) computes rows in tiles of 4 and a partial tile with another kernel, so fp32 pads the rows to a multiple of 4.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.config import QUANTIZATIONS
+
+INT4_GROUP = 32  # GGUF's quantisation blocks are 32 wide too
+FP32_ROW_TILE = 4
+QUANT_CHUNK_ROWS = 8192
+
+
+class Int8Linear(nn.Module):
+    """Symmetric per-output-channel int8 weights: w ≈ q * scale."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        qweight = torch.empty(weight.shape, dtype=torch.int8)  # (N, K)
+        scale = torch.empty(weight.shape[0])  # (N,)
+        for lo in range(0, weight.shape[0], QUANT_CHUNK_ROWS):  # in slices: no float32 copy of a 262k-row head
+            w = weight[lo : lo + QUANT_CHUNK_ROWS].float()
+            scale[lo : lo + len(w)] = s = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+            qweight[lo : lo + len(w)] = torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8)
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scale", scale.to(dtype))
+        self.out_features = weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        out = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]), self.qweight, self.scale)
+        return out.reshape(*shape[:-1], self.out_features)
+
+
+class Int4Linear(nn.Module):
+    """Asymmetric int4 weights in groups of 32 along the input dim: w ≈ (q - 8) * scale + zero."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        n, k = weight.shape
+        groups = weight.float().reshape(n, k // INT4_GROUP, INT4_GROUP)  # (N, G, 32)
+        lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)  # (N, G)
+        scale = ((hi - lo) / 15.0).clamp(min=1e-12)
+        q = torch.round((groups - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).reshape(n, k)
+        scales_and_zeros = torch.stack([scale, lo + 8.0 * scale], dim=-1).transpose(0, 1)  # (G, N, 2)
+        self.register_buffer("qweight", torch._convert_weight_to_int4pack_for_cpu(q, 1))
+        self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous().to(dtype))
+        self.out_features = n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        out = torch._weight_int4pack_mm_for_cpu(
+            x.reshape(-1, shape[-1]), self.qweight, INT4_GROUP, self.scales_and_zeros
+        )
+        return out.reshape(*shape[:-1], self.out_features)
+
+
+class RowTiledLinear(nn.Module):
+    """A plain linear layer that pads its rows to a multiple of FP32_ROW_TILE (fp32 batch invariance)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1])
+        n = rows.shape[0]
+        if n % FP32_ROW_TILE:
+            rows = torch.cat([rows, rows.new_zeros(FP32_ROW_TILE - n % FP32_ROW_TILE, shape[-1])])
+        return F.linear(rows, self.weight)[:n].reshape(*shape[:-1], self.weight.shape[0])
+
+
+def make_linear(weight: torch.Tensor, quantization: str) -> nn.Module:
+    if quantization == "int4" and weight.shape[1] % INT4_GROUP == 0:
+        return Int4Linear(weight, weight.dtype)
+    if quantization in ("int8", "int4"):  # int4 needs whole groups along the input dim; int8 otherwise
+        return Int8Linear(weight, weight.dtype)
+    if quantization == "none":
+        return RowTiledLinear(weight)
+    raise ValueError(f"unknown quantization {quantization!r}; expected one of {QUANTIZATIONS}")
+
+
+def prepare_linears(model: nn.Module, quantization: str) -> None:
+    """Swap every bias-free nn.Linear for the engine's kind, and give a tied LM head its own module."""
+    dtype = model.get_submodule("model.embed_tokens").weight.dtype
+    if quantization == "none" and dtype != torch.float32:
+        return  # plain bf16 layers are already batch-invariant
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and child.bias is None:
+                setattr(parent, name, make_linear(child.weight.data, quantization))
+    if getattr(model, "lm_head", None) is None:  # tied: the embedding stays for lookups; the head gets its own module
+        model.lm_head = make_linear(model.get_submodule("model.embed_tokens").weight.data, quantization)
