@@ -1,0 +1,71 @@
+"""`system_fingerprint` changes when, and only when, something that can change outputs changes.
+
+What can: the model file's contents (its SHA-256), the compute dtype, the quantisation mode, tokenmill's version.
+Everything else in Config (where the file lies, ports, keys, limits, cache and batch sizes) must leave it alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import pytest
+
+from tokenmill.config import Config
+from tokenmill.engine import engine
+from tokenmill.engine.engine import system_fingerprint
+
+SOURCE = "a" * 64
+OUTPUT_FIELDS = {"dtype", "quantization"}
+
+
+def test_fingerprint_is_stable_and_short() -> None:
+    fingerprint = system_fingerprint(SOURCE, Config())
+    assert fingerprint == system_fingerprint(SOURCE, Config())
+    assert re.fullmatch(r"fp_[0-9a-f]{12}", fingerprint)
+
+
+@pytest.mark.parametrize(
+    ("source", "config"),
+    [
+        ("b" * 64, Config()),  # other weights
+        (SOURCE, Config(dtype="bfloat16")),
+        (SOURCE, Config(dtype="bfloat16", quantization="int8")),
+        (SOURCE, Config(dtype="bfloat16", quantization="int4")),
+    ],
+)
+def test_what_can_change_outputs_changes_the_fingerprint(source: str, config: Config) -> None:
+    assert system_fingerprint(source, config) != system_fingerprint(SOURCE, Config())
+
+
+def test_quantisation_modes_are_told_apart() -> None:
+    prints = {system_fingerprint(SOURCE, Config(dtype="bfloat16", quantization=q)) for q in ("none", "int8", "int4")}
+    assert len(prints) == 3
+
+
+def test_a_new_version_changes_the_fingerprint(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = system_fingerprint(SOURCE, Config())
+    monkeypatch.setattr(engine, "__version__", "99.0.0")
+    assert system_fingerprint(SOURCE, Config()) != before
+
+
+def _other_value(field: dataclasses.Field[Any]) -> Any:
+    default = field.default
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, int | float):
+        return default * 2 + 1
+    if isinstance(default, tuple):
+        return ("some-key",)
+    if isinstance(default, str):
+        return {"log_level": "debug", "host": "0.0.0.0"}.get(field.name, default + "-other")
+    return 7 if field.name in ("max_model_len", "num_kv_blocks", "threads") else "/elsewhere/model.gguf"
+
+
+@pytest.mark.parametrize("field", [f for f in dataclasses.fields(Config) if f.name not in OUTPUT_FIELDS],
+                         ids=lambda f: f.name)
+def test_nothing_else_changes_the_fingerprint(field: dataclasses.Field[Any]) -> None:
+    changed = Config(**{field.name: _other_value(field)})
+    assert getattr(changed, field.name) != getattr(Config(), field.name)
+    assert system_fingerprint(SOURCE, changed) == system_fingerprint(SOURCE, Config())
