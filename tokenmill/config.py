@@ -25,10 +25,10 @@ class Config:
     # --- model ---
     model: str | None = _opt(None, "GGUF file or Hugging Face model directory; default: the packaged Gemma 3 270M")
     served_model_name: str | None = _opt(None, "model id in the API; default: gemma-3-270m, or the model's name")
-    dtype: str = _opt("float32", "compute dtype of the weights and activations", choices=DTYPES)
-    quantization: str = _opt(
-        "none", "weight-only quantisation of the linear layers and LM head (needs --dtype bfloat16)",
-        choices=QUANTIZATIONS,
+    dtype: str = _opt("bfloat16", "compute dtype; float32 gives logits equal to the transformers reference", choices=DTYPES)
+    quantization: str | None = _opt(
+        None, "weight-only quantisation of the linear layers and LM head; default: int8 with bfloat16, none with "
+        "float32", choices=QUANTIZATIONS,
     )
     cache_dir: str | None = _opt(None, "where converted weights and tokenizers are cached; default: user cache dir")
     max_model_len: int | None = _opt(None, "context length served; default: min(model's, 8192)")
@@ -57,9 +57,9 @@ class Config:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.quantization not in QUANTIZATIONS:
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
-        if self.quantization != "none" and self.dtype != "bfloat16":
+        if self.weight_quantization != "none" and self.dtype != "bfloat16":
             raise ValueError("weight-only quantisation runs with bfloat16 activations: add --dtype bfloat16")
         if self.block_size <= 0 or self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be positive")
@@ -67,6 +67,13 @@ class Config:
             raise ValueError("max_waiting_requests, max_waiting_tokens and max_request_bytes must be positive")
         if self.request_timeout_s < 0 or self.shutdown_grace_s < 0:
             raise ValueError("request_timeout_s and shutdown_grace_s must not be negative")
+
+    @property
+    def weight_quantization(self) -> str:
+        """The quantisation in force: the flag, else int8 for bfloat16 (the fast default) and none for float32."""
+        if self.quantization is not None:
+            return self.quantization
+        return "int8" if self.dtype == "bfloat16" else "none"
 
     def with_overrides(self, **changes: Any) -> Config:
         return replace(self, **changes)

@@ -62,9 +62,20 @@ def wait_healthy(base_url: str, process: subprocess.Popen[bytes]) -> None:
 
 @pytest.fixture(scope="session")
 def server() -> Iterator[Server]:
+    # float32: the fidelity tests compare with transformers' fp32 reference; test_default_mode.py covers the default
+    yield from serve(["--dtype", "float32"])
+
+
+@pytest.fixture(scope="session")
+def default_server() -> Iterator[Server]:
+    """The mode a user gets from `tokenmill serve`: bfloat16 activations, int8 weights."""
+    yield from serve([])
+
+
+def serve(extra_args: list[str]) -> Iterator[Server]:
     port = free_port()
     cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--log-level", "warning"]
+           "--log-level", "warning", *extra_args]
     process = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     base_url = f"http://127.0.0.1:{port}"
     try:

@@ -1,6 +1,6 @@
 """Seeds that hold under load: a request's text does not depend on what else the server is running.
 
-A seeded sampling request and a greedy one each run alone, then 20 times among 15 other concurrent requests (prompts
+On the default mode (bfloat16, int8 weights). A seeded sampling request and a greedy one each run alone, then 20 times among 15 other concurrent requests (prompts
 and lengths that differ from round to round, submitted in a different order each time), and must return the same
 tokens every time. That needs per-sequence generators and numerics that do not change with the batch's size or a
 sequence's place in it; the second test checks those numerics directly: the logprobs must be equal bit for bit
@@ -55,7 +55,8 @@ def run(server: Server, body: dict[str, Any]) -> Run:
 
 
 @pytest.fixture(scope="module")
-def observed(server: Server) -> Observed:
+def observed(default_server: Server) -> Observed:
+    server = default_server
     alone = {"seeded": run(server, SEEDED), "greedy": run(server, GREEDY)}
     under_load = []
     with ThreadPoolExecutor(16) as pool:
@@ -71,7 +72,8 @@ def first_difference(a: list[Any], b: list[Any]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def test_seeded_and_greedy_text_is_the_same_alone_and_under_load(server: Server, observed: Observed) -> None:
+def test_seeded_and_greedy_text_is_the_same_alone_and_under_load(default_server: Server, observed: Observed) -> None:
+    server = default_server
     assert run(server, SEEDED).tokens == observed.alone["seeded"].tokens  # and alone again, after all that
     assert run(server, GREEDY).tokens == observed.alone["greedy"].tokens
     differences = []
@@ -85,8 +87,9 @@ def test_seeded_and_greedy_text_is_the_same_alone_and_under_load(server: Server,
     assert not differences, f"{len(differences)} of {2 * ROUNDS} differ:\n" + "\n".join(differences)
 
 
-@pytest.mark.xfail(strict=False, reason="engine numerics not yet batch-invariant on the logprob path: the "
-                   "seeded request's token 12 logprob was -0.12687206 alone, -0.12687111 in every loaded round")
+@pytest.mark.xfail(strict=False, reason="tokens are identical in every round, but in the default bf16/int8 mode the "
+                   "greedy request's logprobs drifted by 1.9e-6 from token 9 on under load (fp32 is bit-identical in "
+                   "tests/engine/test_core.py); the op at fault is not found yet")
 def test_logprobs_are_bit_identical_alone_and_under_load(observed: Observed) -> None:
     differences = []
     for round_index, name, got in observed.under_load:

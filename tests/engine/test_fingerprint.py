@@ -30,13 +30,18 @@ def test_fingerprint_is_stable_and_short() -> None:
     ("source", "config"),
     [
         ("b" * 64, Config()),  # other weights
-        (SOURCE, Config(dtype="bfloat16")),
-        (SOURCE, Config(dtype="bfloat16", quantization="int8")),
+        (SOURCE, Config(dtype="float32")),
+        (SOURCE, Config(dtype="bfloat16", quantization="none")),
         (SOURCE, Config(dtype="bfloat16", quantization="int4")),
     ],
 )
 def test_what_can_change_outputs_changes_the_fingerprint(source: str, config: Config) -> None:
     assert system_fingerprint(source, config) != system_fingerprint(SOURCE, Config())
+
+
+def test_the_default_quantisation_is_int8_with_bfloat16() -> None:
+    assert system_fingerprint(SOURCE, Config()) == system_fingerprint(SOURCE, Config(quantization="int8"))
+    assert Config(dtype="float32").weight_quantization == "none"
 
 
 def test_quantisation_modes_are_told_apart() -> None:

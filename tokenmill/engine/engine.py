@@ -179,7 +179,7 @@ class AsyncEngine:
 
 def system_fingerprint(source_id: str, config: Config) -> str:
     """Changes when, and only when, something that can change outputs changes: weights, dtype, quantisation, version."""
-    key = f"{source_id}|{config.dtype}|{config.quantization}|{__version__}"
+    key = f"{source_id}|{config.dtype}|{config.weight_quantization}|{__version__}"
     return "fp_" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
@@ -187,7 +187,7 @@ def build_engine_core(model: nn.Module, tokenizer: Tokenizer, config: Config) ->
     """Sizes the KV cache from the config and wires the core's parts together (the model's linears are swapped)."""
     from tokenmill.model.linear import prepare_linears
 
-    prepare_linears(model, config.quantization)
+    prepare_linears(model, config.weight_quantization)
     cfg: ModelConfig = model.config
     dtype = next(model.parameters()).dtype
     block_bytes = kv_bytes_per_token(cfg, dtype) * config.block_size
