@@ -190,6 +190,7 @@ async def tokenizer_info(request: Request) -> dict[str, Any]:
         "pad_token": getattr(tok, "pad_token", None),
         "bos_token_id": tok.bos_id,
         "eos_token_id": tok.eos_id,
+        "eos_token_ids": list(getattr(tok, "eos_ids", ()) or ([tok.eos_id] if tok.eos_id is not None else [])),
         "pad_token_id": getattr(tok, "pad_id", None),
         "add_bos_token": add_bos,
         "vocab_size": tok.vocab_size,
