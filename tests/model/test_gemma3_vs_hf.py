@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from tokenmill.model.hf_reference import transformers_gemma3
 from tokenmill.model.loader import LoadedWeights, load_model_files
 from tokenmill.model.model_config import ModelConfig
 from tokenmill.model.registry import build_model
@@ -16,34 +17,7 @@ TOLERANCE = 1e-3
 
 
 def hf_gemma3(cfg: ModelConfig, state_dict: dict[str, torch.Tensor]) -> nn.Module:
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    hf_config = Gemma3TextConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        rms_norm_eps=cfg.rms_norm_eps,
-        max_position_embeddings=cfg.max_position_embeddings,
-        sliding_window=cfg.sliding_window,
-        layer_types=list(cfg.layer_types),
-        query_pre_attn_scalar=int(cfg.query_pre_attn_scalar or cfg.head_dim),
-        rope_parameters={
-            "full_attention": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-            "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_theta},
-        },
-        hidden_activation="gelu_pytorch_tanh",
-        tie_word_embeddings=True,
-        attn_implementation="eager",
-    )
-    model = Gemma3ForCausalLM(hf_config)
-    missing, unexpected = model.load_state_dict(state_dict, strict=False)
-    assert set(missing) <= {"lm_head.weight"} and not unexpected, (missing, unexpected)
-    model.tie_weights()
-    return model.float().eval()
+    return transformers_gemma3(cfg, state_dict).float()
 
 
 def _layer_outputs(model: nn.Module, run: object) -> list[torch.Tensor]:

@@ -21,35 +21,11 @@ from tokenmill.bench.load import PROMPTS
 
 
 def build_hf_gemma3(cfg: Any, state_dict: dict[str, Any], dtype: Any) -> Any:
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    from tokenmill.model.hf_reference import transformers_gemma3
 
     if cfg.architecture != "gemma3":
         raise SystemExit(f"the transformers baseline maps Gemma 3 only, not {cfg.architecture}")
-    hf_config = Gemma3TextConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        rms_norm_eps=cfg.rms_norm_eps,
-        max_position_embeddings=cfg.max_position_embeddings,
-        sliding_window=cfg.sliding_window,
-        layer_types=list(cfg.layer_types),
-        query_pre_attn_scalar=int(cfg.query_pre_attn_scalar or cfg.head_dim),
-        rope_parameters={
-            "full_attention": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-            "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_theta},
-        },
-        hidden_activation="gelu_pytorch_tanh",
-        tie_word_embeddings=True,
-        attn_implementation="sdpa",
-    )
-    model = Gemma3ForCausalLM(hf_config)
-    model.load_state_dict(state_dict, strict=False)  # lm_head is tied to the embedding
-    model.tie_weights()
-    return model.to(dtype).eval()
+    return transformers_gemma3(cfg, state_dict, attn_implementation="sdpa").to(dtype)
 
 
 def timed_generate(model: Any, ids: Any, mask: Any, new_tokens: int, eos_ids: list[int]) -> float:
