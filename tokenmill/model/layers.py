@@ -88,7 +88,7 @@ def paged_attention(
     start = 0
     for q_len, ctx_len, slots in zip(meta.query_lens, meta.context_lens, meta.kv_slots):
         end = start + q_len
-        out[start:end] = attend(q[start:end], k_cache, v_cache, slots, ctx_len, scale, window)
+        attend(q[start:end], k_cache, v_cache, slots, ctx_len, scale, window, out=out[start:end])
         start = end
     return out
 
@@ -101,25 +101,25 @@ def attend(
     ctx_len: int,
     scale: float,
     window: int | None,
-) -> torch.Tensor:
+    out: torch.Tensor,  # (Q, Hq, D), written in place
+) -> None:
     """Each query row attends over exactly its own visible keys, one row at a time.
 
     A row's result then depends only on its own keys, never on how the prompt was split into chunks, on which prefix
     came from the cache, or on the batch: a masked or padded block changes the order of the float reductions.
     """
-    keys = k_cache[slots].transpose(0, 1)  # (Hkv, L, D)
-    values = v_cache[slots].transpose(0, 1)
-    out = torch.empty_like(q)
-    first = ctx_len - q.shape[0]
+    first = ctx_len - q.shape[0]  # position of the first query
+    base = max(0, first + 1 - window) if window is not None else 0  # no query sees a key before this position
+    keys = k_cache[slots[base:]].transpose(0, 1)  # (Hkv, L - base, D): a sliding layer gathers only its window
+    values = v_cache[slots[base:]].transpose(0, 1)
     for i in range(q.shape[0]):
         end = first + i + 1  # positions [lo, end) are visible to this query
         lo = max(0, end - window) if window is not None else 0
         o = F.scaled_dot_product_attention(
             q[i, :, None, :],  # (Hq, 1, D)
-            keys[:, lo:end],
-            values[:, lo:end],
+            keys[:, lo - base : end - base],
+            values[:, lo - base : end - base],
             scale=scale,
             enable_gqa=True,
         )
         out[i] = o[:, 0, :]
-    return out
