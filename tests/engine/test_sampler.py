@@ -26,9 +26,19 @@ def test_greedy_takes_argmax_and_reports_raw_logprob() -> None:
 def test_logit_bias_bans_and_forces() -> None:
     (banned,) = sample(LOGITS, [row(temperature=0.0, logit_bias={0: -100.0})])
     assert banned.token_id == 1
-    (forced,) = sample(LOGITS, [row(temperature=1.0, logit_bias={3: 100.0}, seed=1)])
+    logits = LOGITS.clone()
+    (forced,) = sample(logits, [row(temperature=1.0, logit_bias={3: 100.0}, seed=1, logprobs=0)])
     assert forced.token_id == 3
     assert forced.logprob < -2.0  # still the model's own logprob, before the bias
+    assert torch.equal(logits, LOGITS)  # the bias was applied in place and undone exactly
+
+
+def test_the_chosen_logprob_is_computed_only_when_used() -> None:
+    (plain,) = sample(LOGITS, [row(temperature=0.0)])
+    assert plain.logprob is None and plain.top == []
+    (ranked,) = sample(LOGITS, [row(temperature=0.0, n=2)])  # best_of / n rank choices by it
+    assert ranked.logprob is not None and math.isclose(ranked.logprob, float(torch.log_softmax(LOGITS[0], -1)[0]),
+                                                        rel_tol=1e-6)
 
 
 def test_penalties_follow_openai_formula() -> None:
@@ -37,8 +47,10 @@ def test_penalties_follow_openai_formula() -> None:
     assert r.token_id == 1  # 2.0 - 2 * 0.6 = 0.8 < 1.0
     (r,) = sample(LOGITS, [row(temperature=0.0, counts=counts, frequency_penalty=0.4)])
     assert r.token_id == 0  # 2.0 - 0.8 = 1.2 > 1.0
-    (r,) = sample(LOGITS, [row(temperature=0.0, counts=counts, presence_penalty=1.5)])
-    assert r.token_id == 1
+    logits = LOGITS.clone()
+    (r,) = sample(logits, [row(temperature=0.0, counts=counts, presence_penalty=1.5, logit_bias={0: 0.25})])
+    assert r.token_id == 1  # 2.0 + 0.25 - 1.5 = 0.75 < 1.0
+    assert torch.equal(logits, LOGITS)
 
 
 def test_top_p_keeps_only_the_nucleus() -> None:

@@ -9,7 +9,7 @@ from torch import nn
 
 from tokenmill.engine.kv_cache import allocate_kv_tensors
 from tokenmill.engine.scheduler import Scheduled
-from tokenmill.model.layers import AttentionMetadata
+from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.model_config import ModelConfig
 
 

@@ -8,7 +8,9 @@ mean the same whatever the sampling settings.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -26,48 +28,61 @@ class SampleInput:
 @dataclass
 class Sampled:
     token_id: int
-    logprob: float  # the model's own log-probability of the chosen token
+    logprob: float | None  # the model's own log-probability of the chosen token; None when nobody asked for it
     top: list[tuple[int, float]]  # the `params.logprobs` most likely tokens, best first (empty if not asked)
 
 
 def sample(logits: torch.Tensor, rows: Seq[SampleInput]) -> list[Sampled]:
-    """logits: (N, V) float32 raw model logits, one row per entry of `rows`."""
-    log_norm = torch.logsumexp(logits, dim=-1)  # (N,): logprob = logit - log_norm, without a (N, V) copy
-    processed = apply_logit_bias(logits, rows)
-    processed = apply_penalties(processed, rows)
+    """logits: (N, V) float32 raw model logits, one row per entry of `rows`.
+
+    The log-normaliser (a pass over the whole vocabulary) is computed only for rows whose chosen-token logprob is
+    used: logprobs were asked for, or several choices will be ranked.
+    """
+    scored = [i for i, r in enumerate(rows) if r.params.logprobs is not None or r.params.n > 1]
+    log_norm = dict(zip(scored, torch.logsumexp(logits[scored], dim=-1))) if scored else {}  # row → 0-dim tensor
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
-    chosen = dict(zip(greedy, processed[greedy].argmax(dim=-1).tolist())) if greedy else {}  # one pass for all
+    with adjusted(logits, rows) as processed:  # bias and penalties applied in place, undone on exit
+        chosen = dict(zip(greedy, processed[greedy].argmax(dim=-1).tolist())) if greedy else {}  # one pass
+        tokens = [chosen[i] if i in chosen else _choose(processed[i], row) for i, row in enumerate(rows)]
     results = []
-    for i, row in enumerate(rows):
-        token = chosen[i] if i in chosen else _choose(processed[i], row)
+    for i, (row, token) in enumerate(zip(rows, tokens)):
+        if i not in log_norm:
+            results.append(Sampled(token, None, []))
+            continue
         k = row.params.logprobs or 0
         top = _top_k(logits[i], k, float(log_norm[i])) if k else []
         results.append(Sampled(token, float(logits[i, token] - log_norm[i]), top))
     return results
 
 
-def apply_logit_bias(logits: torch.Tensor, rows: Seq[SampleInput]) -> torch.Tensor:
-    if not any(r.params.logit_bias for r in rows):
-        return logits
-    out = logits.clone()
-    for i, r in enumerate(rows):
-        if r.params.logit_bias:
-            ids = torch.tensor(list(r.params.logit_bias.keys()), dtype=torch.long)
-            out[i, ids] += torch.tensor(list(r.params.logit_bias.values()), dtype=out.dtype)
-    return out
+@contextmanager
+def adjusted(logits: torch.Tensor, rows: Seq[SampleInput]) -> Iterator[torch.Tensor]:
+    """The logits with each row's logit_bias added and OpenAI's penalties subtracted, in place and undone after.
 
-
-def apply_penalties(logits: torch.Tensor, rows: Seq[SampleInput]) -> torch.Tensor:
-    """OpenAI's definition: logit[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty."""
-    if not any(r.params.has_penalties and r.output_counts for r in rows):
-        return logits
-    out = logits.clone()
+    Penalties: logit[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty. Only the touched entries
+    are saved and written back (exactly), instead of copying the whole (N, V) logits for a few changed entries.
+    """
+    saved = []
     for i, r in enumerate(rows):
-        if r.params.has_penalties and r.output_counts:
-            ids = torch.tensor(list(r.output_counts.keys()), dtype=torch.long)
-            counts = torch.tensor(list(r.output_counts.values()), dtype=out.dtype)
-            out[i, ids] -= counts * r.params.frequency_penalty + r.params.presence_penalty
-    return out
+        touched = set(r.params.logit_bias)
+        if r.params.has_penalties:
+            touched |= r.output_counts.keys()
+        if touched:
+            ids = torch.tensor(sorted(touched), dtype=torch.long)
+            saved.append((i, ids, logits[i, ids].clone()))
+    try:
+        for i, r in enumerate(rows):
+            if r.params.logit_bias:
+                ids = torch.tensor(list(r.params.logit_bias.keys()), dtype=torch.long)
+                logits[i, ids] += torch.tensor(list(r.params.logit_bias.values()), dtype=logits.dtype)
+            if r.params.has_penalties and r.output_counts:
+                ids = torch.tensor(list(r.output_counts.keys()), dtype=torch.long)
+                counts = torch.tensor(list(r.output_counts.values()), dtype=logits.dtype)
+                logits[i, ids] -= counts * r.params.frequency_penalty + r.params.presence_penalty
+        yield logits
+    finally:
+        for i, ids, values in saved:
+            logits[i, ids] = values
 
 
 def _choose(logits: torch.Tensor, row: SampleInput) -> int:

@@ -75,9 +75,10 @@ class Sequence:
     def wants_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs is not None and self.prompt_logprobs is None
 
-    def append_token(self, token_id: int, logprob: float, entry: TokenLogprob | None) -> None:
+    def append_token(self, token_id: int, logprob: float | None, entry: TokenLogprob | None) -> None:
         self.token_ids.append(token_id)
-        self.cumulative_logprob += logprob
+        if logprob is not None:  # None: the request neither reports nor ranks by logprobs
+            self.cumulative_logprob += logprob
         self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1
         self.pending_ids.append(token_id)
         if entry is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.model.layers import AttentionMetadata
+from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.model_config import ModelConfig
 
 

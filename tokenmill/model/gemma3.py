@@ -6,12 +6,15 @@ after both attention and MLP, GELU-tanh gated MLP. Embeddings are scaled by sqrt
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.model.attention import AttentionMetadata, paged_attention
 from tokenmill.model.dense import dense_metadata, empty_kv_caches
-from tokenmill.model.layers import AttentionMetadata, RMSNorm, Rotary, apply_rotary, paged_attention
+from tokenmill.model.layers import RMSNorm, Rotary, apply_rotary
 from tokenmill.model.model_config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -23,34 +26,44 @@ class Gemma3Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.window = cfg.sliding_window if cfg.is_sliding(layer) else None
         self.scale = cfg.attn_scale
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.eps = cfg.rms_norm_eps
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=False)  # q, k, v stacked: one matmul
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset=1.0)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset=1.0)
+        self._qk_factor: torch.Tensor | None = None
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim))  # (T, Hq, D)
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))  # (T, Hkv, D)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        t, heads, d = x.shape[0], self.num_heads + self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        qk = qkv[:, : heads * d].reshape(t, heads, d)  # q heads then k heads: normed and rotated together
+        qk = (F.rms_norm(qk.float(), (d,), None, self.eps) * self.qk_factor).to(x.dtype)
+        q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, heads * d :].view(t, self.num_kv_heads, d)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.window)  # (T, Hq, D)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(t, self.num_heads * d))
+
+    @property
+    def qk_factor(self) -> torch.Tensor:
+        """(Hq + Hkv, D) float32: each q head's and k head's RMSNorm factor, stacked like the heads."""
+        if self._qk_factor is None:
+            q, k = self.q_norm.factor, self.k_norm.factor
+            self._qk_factor = torch.cat([q.expand(self.num_heads, -1), k.expand(self.num_kv_heads, -1)])
+        return self._qk_factor
 
 
 class Gemma3MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # stacked: one matmul
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -84,6 +97,11 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM(nn.Module):
+    # checkpoint projections that the model holds stacked (one matmul each), in stacking order
+    STACKED_PROJECTIONS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+    }
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg

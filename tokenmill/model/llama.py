@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.model.attention import AttentionMetadata, paged_attention
 from tokenmill.model.dense import dense_metadata, empty_kv_caches
-from tokenmill.model.layers import AttentionMetadata, RMSNorm, Rotary, apply_rotary, paged_attention
+from tokenmill.model.layers import RMSNorm, Rotary, apply_rotary
 from tokenmill.model.model_config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]

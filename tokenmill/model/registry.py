@@ -19,5 +19,22 @@ def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor]) -> nn.Mod
         raise UnsupportedModelError(f"no implementation for architecture {cfg.architecture!r}")
     with torch.device("meta"):
         model = cls(cfg)
-    model.load_state_dict(state_dict, assign=True, strict=True)
+    stacked = getattr(cls, "STACKED_PROJECTIONS", {})
+    model.load_state_dict(stack_projections(state_dict, stacked), assign=True, strict=True)
     return model.eval()
+
+
+def stack_projections(
+    state_dict: dict[str, torch.Tensor], stacked: dict[str, tuple[str, ...]]
+) -> dict[str, torch.Tensor]:
+    """Concatenates a checkpoint's separate projections (e.g. q/k/v_proj) into the model's stacked one (qkv_proj).
+
+    Rows of a linear layer are independent outputs, and the int8/int4 schemes quantise per output row, so a stacked
+    layer computes exactly what the separate ones did, in one matmul call instead of several.
+    """
+    out = dict(state_dict)
+    for name, parts in stacked.items():
+        for key in [k for k in state_dict if k.endswith(f".{parts[0]}.weight")]:
+            prefix = key[: -len(f"{parts[0]}.weight")]
+            out[f"{prefix}{name}.weight"] = torch.cat([out.pop(f"{prefix}{p}.weight") for p in parts])
+    return out

@@ -1,0 +1,93 @@
+"""Paged attention: right values, and a row's bits independent of its batch, its prefill and its cache layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill.model.attention import CHUNK, AttentionMetadata, paged_attention
+
+HQ, HKV, D = 4, 1, 32
+SCALE = D**-0.5
+
+
+def _cache(num_slots: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    k = torch.randn(num_slots, HKV, D, generator=gen).to(dtype)
+    v = torch.randn(num_slots, HKV, D, generator=gen).to(dtype)
+    return k, v
+
+
+def _run(
+    cache: tuple[torch.Tensor, torch.Tensor],
+    seqs: list[tuple[torch.Tensor, int]],  # (slots of the whole context, query rows at its end)
+    q: torch.Tensor,  # (T, HQ, D)
+    window: int | None,
+) -> torch.Tensor:
+    k_cache, v_cache = cache
+    rows = [(slots[len(slots) - n :]) for slots, n in seqs]
+    slot_mapping = torch.cat(rows)
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping,
+        query_lens=[n for _, n in seqs],
+        context_lens=[len(slots) for slots, _ in seqs],
+        kv_slots=[slots for slots, _ in seqs],
+    )
+    # rewrite the rows' own K/V with what is already there, so every run sees the same cache
+    return paged_attention(q, k_cache[slot_mapping], v_cache[slot_mapping], (k_cache, v_cache), meta, SCALE, window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 40])
+def test_rows_are_right_and_identical_alone_batched_and_in_prefill(dtype: torch.dtype, window: int | None) -> None:
+    cache = _cache(4096, dtype)
+    gen = torch.Generator().manual_seed(2)
+    perm = torch.randperm(4096, generator=gen)  # scattered slots, as a paged cache gives them
+    ctx = [3 * CHUNK + 5, 17, CHUNK, 2 * CHUNK + 1, 150]
+    seq_slots, at = [], 0
+    for n in ctx:
+        seq_slots.append(perm[at : at + n])
+        at += n
+    q_all = torch.randn(sum(ctx), HQ, D, generator=gen).to(dtype)
+    queries, at = [], 0
+    for n in ctx:
+        queries.append(q_all[at : at + n])
+        at += n
+
+    # each sequence's last row decoded alone, then all of them decoded in one step
+    alone = [_run(cache, [(s, 1)], q[-1:], window) for s, q in zip(seq_slots, queries)]
+    batched = _run(cache, [(s, 1) for s in seq_slots], torch.cat([q[-1:] for q in queries]), window)
+    for i, row in enumerate(alone):
+        assert torch.equal(batched[i], row[0]), f"sequence {i}: batched decode differs from alone"
+
+    # the whole context prefilled at once, beside another sequence's decode row
+    for i, (s, q) in enumerate(zip(seq_slots, queries)):
+        other = seq_slots[(i + 1) % len(ctx)]
+        mixed = _run(cache, [(other, 1), (s, len(s))], torch.cat([queries[(i + 1) % len(ctx)][-1:], q]), window)
+        prefill = mixed[1:]
+        assert torch.equal(prefill[-1], alone[i][0]), f"sequence {i}: prefill's last row differs from its decode"
+        tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output is rounded to bf16
+        torch.testing.assert_close(prefill.double(), _reference(cache, s, q, window), atol=tol, rtol=0)
+
+
+def _reference(cache: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor, q: torch.Tensor,
+               window: int | None) -> torch.Tensor:
+    """Plain softmax attention of every position over its visible keys, in float64 (one KV head)."""
+    keys, values = cache[0][slots].double()[:, 0], cache[1][slots].double()[:, 0]  # (L, D)
+    out = []
+    for end in range(1, len(slots) + 1):
+        lo = max(0, end - window) if window else 0
+        weights = F.softmax(q[end - 1].double() @ keys[lo:end].T * SCALE, dim=-1)  # (HQ, visible)
+        out.append(weights @ values[lo:end])
+    return torch.stack(out)  # (L, HQ, D)
+
+
+def test_long_prefill_is_split_into_row_slices_with_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = _cache(1024, torch.float32)
+    slots = torch.arange(300)
+    q = torch.randn(300, HQ, D, generator=torch.Generator().manual_seed(3))
+    whole = _run(cache, [(slots, 300)], q, None)
+    monkeypatch.setattr("tokenmill.model.attention.PREFILL_BYTES", 1)  # one row per call
+    sliced = _run(cache, [(slots, 300)], q, None)
+    assert torch.equal(whole, sliced)

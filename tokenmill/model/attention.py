@@ -1,0 +1,166 @@
+"""Attention over the paged KV cache, computed so that a query row's numbers never depend on its neighbours.
+
+A row's keys are split into chunks of CHUNK positions that start at absolute multiples of CHUNK. Every chunk is
+scored and weighted with the same fixed-shape float32 matmuls, masked positions become exact zeros, and the chunks'
+partial sums are added strictly in position order (a cumulative sum). So a row gets the same bits whether it is
+decoded alone, decoded beside fifteen other sequences (one batched call for all decode rows of a step), or computed
+inside a prompt's prefill, from a cached prefix or after a preemption: padding adds only exact zeros, at the end or
+in whole chunks before the row's window.
+
+Why not one SDPA call per sequence: on a 2-core CPU its per-call overhead (GQA expansion, the math fallback) cost
+~80 µs per sequence and layer, a third of a 16-sequence decode step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+CHUNK = 64  # keys per chunk
+ROW_TILE = 4  # fp32 matmuls compute rows in tiles of 4 and a partial tile with another kernel: pad to whole tiles
+PREFILL_BYTES = 64 << 20  # bound on one prefill call's partial outputs; longer prompts are split into row slices
+
+
+@dataclass
+class RowBatch:
+    """B key sets, each with M query rows: the step-wide batch of decode rows (M = 1) or one prefilling sequence."""
+
+    rows: torch.Tensor  # (B * M,) positions of the query rows in the step's flat token order
+    key_slots: torch.Tensor  # (B, n * CHUNK) cache slots, from an aligned start; padding repeats a real slot
+    visible: torch.Tensor  # (B, 1, n, M, CHUNK) bool: which keys each row sees
+    num_rows: int  # M
+
+
+@dataclass
+class AttentionMetadata:
+    """Where one step's tokens sit in the flat batch and in the paged cache. Built by the runner, read by attention.
+
+    The step's T tokens are laid out sequence after sequence; sequence i owns `query_lens[i]` of them, which are the
+    last positions of its `context_lens[i]`-long context. `kv_slots[i]` lists the cache slot of every position of that
+    context (block table expanded). The row batches depend only on these and on the layer's window, so they are built
+    once per step and window and shared by all layers of that kind.
+    """
+
+    slot_mapping: torch.Tensor  # (T,) cache slot each new token's K/V is written to
+    query_lens: list[int]
+    context_lens: list[int]
+    kv_slots: list[torch.Tensor]  # per sequence (context_len,)
+    _plans: dict[int | None, list[RowBatch]] = field(default_factory=dict, repr=False)
+
+    def row_batches(self, window: int | None, row_width: int) -> list[RowBatch]:
+        """row_width: query heads × head_dim, which bounds the size of a prefill call's partial outputs."""
+        if window not in self._plans:
+            self._plans[window] = plan_row_batches(self, window, row_width)
+        return self._plans[window]
+
+
+def plan_row_batches(meta: AttentionMetadata, window: int | None, row_width: int) -> list[RowBatch]:
+    decode: list[tuple[int, torch.Tensor, int, int]] = []  # (row, slots, lo, hi) per single-row sequence
+    batches: list[RowBatch] = []
+    start = 0
+    for q_len, ctx_len, slots in zip(meta.query_lens, meta.context_lens, meta.kv_slots):
+        first = ctx_len - q_len  # position of the sequence's first query row
+        ends = torch.arange(first + 1, ctx_len + 1)  # each row sees the positions before its end
+        los = (ends - window).clamp(min=0) if window is not None else torch.zeros_like(ends)
+        base = int(los[0]) // CHUNK * CHUNK  # keys gathered from here, aligned so chunks sit at the same positions
+        if q_len == 1:
+            decode.append((start, slots, base, ctx_len))
+        else:
+            batches.extend(_prefill_batches(start, slots[base:ctx_len], los - base, ends - base, row_width))
+        start += q_len
+    if decode:
+        batches.append(_decode_batch(decode, window))
+    return batches
+
+
+def _decode_batch(decode: list[tuple[int, torch.Tensor, int, int]], window: int | None) -> RowBatch:
+    width = max(_padded(hi - base) for _, _, base, hi in decode)
+    key_slots = torch.empty(len(decode), width, dtype=torch.long)
+    lo = torch.empty(len(decode), 1, dtype=torch.long)
+    hi = torch.empty(len(decode), 1, dtype=torch.long)
+    for i, (_, slots, base, end) in enumerate(decode):
+        key_slots[i, : end - base] = slots[base:end]
+        key_slots[i, end - base :] = slots[end - 1]
+        lo[i] = max(0, end - window) - base if window is not None else 0
+        hi[i] = end - base
+    rows = torch.tensor([row for row, _, _, _ in decode])
+    return RowBatch(rows, key_slots, _visibility(lo, hi, width), 1)
+
+
+def _prefill_batches(
+    start: int, slots: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, row_width: int
+) -> list[RowBatch]:
+    """One sequence's rows, in slices small enough that the per-chunk partial outputs stay under PREFILL_BYTES."""
+    width = _padded(len(slots))
+    key_slots = torch.cat([slots, slots[-1:].expand(width - len(slots))])[None]  # (1, width)
+    step = max(1, PREFILL_BYTES // ((width // CHUNK) * row_width * 4))  # a row's float32 partial output per chunk
+    out = []
+    for a in range(0, len(lo), step):
+        b = min(a + step, len(lo))
+        visible = _visibility(lo[None, a:b], hi[None, a:b], width)
+        out.append(RowBatch(torch.arange(start + a, start + b), key_slots, visible, b - a))
+    return out
+
+
+def _padded(length: int) -> int:
+    return -(-length // CHUNK) * CHUNK
+
+
+def _visibility(lo: torch.Tensor, hi: torch.Tensor, width: int) -> torch.Tensor:
+    """lo, hi: (B, M) → (B, 1, n, M, CHUNK) bool, True where lo <= key position < hi."""
+    pos = torch.arange(width)
+    seen = (pos >= lo[..., None]) & (pos < hi[..., None])  # (B, M, width)
+    b, m = lo.shape
+    return seen.view(b, m, width // CHUNK, CHUNK).transpose(1, 2)[:, None]
+
+
+def paged_attention(
+    q: torch.Tensor,  # (T, Hq, D)
+    k: torch.Tensor,  # (T, Hkv, D)
+    v: torch.Tensor,  # (T, Hkv, D)
+    kv_cache: tuple[torch.Tensor, torch.Tensor],  # each (num_slots, Hkv, D)
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """Write this step's K/V into the cache, then attend every query row over its own visible cached keys."""
+    k_cache, v_cache = kv_cache
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    _, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    out = torch.empty_like(q)
+    for batch in meta.row_batches(window, hq * d):
+        rows = q.index_select(0, batch.rows).view(-1, batch.num_rows, hkv, hq // hkv, d)  # (B, M, Hkv, G, D)
+        o = attend_rows(rows, k_cache[batch.key_slots], v_cache[batch.key_slots], batch.visible, scale)
+        out.index_copy_(0, batch.rows, o.reshape(-1, hq, d).to(q.dtype))
+    return out
+
+
+def attend_rows(
+    q: torch.Tensor,  # (B, M, Hkv, G, D)
+    keys: torch.Tensor,  # (B, L, Hkv, D), L a multiple of CHUNK
+    values: torch.Tensor,  # (B, L, Hkv, D)
+    visible: torch.Tensor,  # (B, 1, n, M, CHUNK) bool
+    scale: float,
+) -> torch.Tensor:
+    """Softmax attention of each row over its visible keys in float32; returns (B, M, Hkv, G, D)."""
+    b, m, hkv, g, d = q.shape
+    n = keys.shape[1] // CHUNK
+    rows = m * g
+    qh = q.permute(0, 2, 1, 3, 4).reshape(b, hkv, 1, rows, d).float()
+    mask = visible[..., None, :].expand(b, 1, n, m, g, CHUNK).reshape(b, 1, n, rows, CHUNK)
+    if rows % ROW_TILE:
+        pad = ROW_TILE - rows % ROW_TILE
+        qh = torch.cat([qh, qh.new_zeros(b, hkv, 1, pad, d)], dim=3)
+        mask = torch.cat([mask, mask.new_ones(b, 1, n, pad, CHUNK)], dim=3)
+    kc = keys.view(b, n, CHUNK, hkv, d).permute(0, 3, 1, 4, 2).float()  # (B, Hkv, n, D, C)
+    vc = values.view(b, n, CHUNK, hkv, d).permute(0, 3, 1, 2, 4).float()  # (B, Hkv, n, C, D)
+    scores = torch.matmul(qh, kc).mul_(scale)  # (B, Hkv, n, R, C)
+    scores.masked_fill_(~mask, float("-inf"))
+    weights = scores.sub_(scores.amax(dim=(2, 4), keepdim=True)).exp_()  # masked keys: exact zeros
+    denom = weights.sum(-1).cumsum(2)[:, :, -1]  # (B, Hkv, R): chunks added in position order
+    numer = torch.matmul(weights, vc).cumsum(2)[:, :, -1]  # (B, Hkv, R, D)
+    out = (numer / denom[..., None])[:, :, :rows]
+    return out.view(b, hkv, m, g, d).permute(0, 2, 1, 3, 4)
