@@ -11,6 +11,7 @@ from typing import Protocol
 
 _REPLACEMENT = "\ufffd"
 _CONTEXT_TOKENS = 6  # tokens of left context kept so the decoder sees each new token's neighbours
+_MAX_CHAR_BYTES = 4  # a UTF-8 character is at most 4 bytes, so at most 3 byte tokens precede a clean start
 
 
 class Decoder(Protocol):
@@ -22,8 +23,19 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids = list(prompt_ids)
-        self.prefix_offset = max(len(self.ids) - _CONTEXT_TOKENS, 0)
         self.read_offset = len(self.ids)
+        self.prefix_offset = self._clean_start(max(len(self.ids) - _CONTEXT_TOKENS, 0))
+
+    def _clean_start(self, offset: int) -> int:
+        """Moves the window's start back off the middle of a character (at most one character's bytes).
+
+        Byte-fallback decoders turn every byte of a sequence into U+FFFD when any of it is invalid UTF-8, so a window
+        that starts on a continuation byte would garble everything decoded after it.
+        """
+        for start in range(offset, max(offset - _MAX_CHAR_BYTES, 0) - 1, -1):
+            if not self._decode(self.ids[start : self.read_offset]).startswith(_REPLACEMENT):
+                return start
+        return offset
 
     def add(self, token_id: int) -> str:
         """Append one token; return the text it completes (may be "" while a character is unfinished)."""
