@@ -13,7 +13,10 @@ from tokenmill.model.loader import LoadedWeights, load_model_files
 from tokenmill.model.model_config import ModelConfig
 from tokenmill.model.registry import build_model
 
-TOLERANCE = 1e-3
+# Float32 reduction order: our attention sums keys in fixed 64-key chunks (for batch invariance), transformers' eager
+# attention over whole rows. On the 640-token prompt below, logits reach |41| and the two differ by up to 1.2e-3;
+# transformers' own eager and sdpa attentions differ by 4.4e-4 there. Anything structurally wrong is far larger.
+TOLERANCE = 2.5e-3
 
 
 def hf_gemma3(cfg: ModelConfig, state_dict: dict[str, torch.Tensor]) -> nn.Module:

@@ -54,8 +54,11 @@ class AsyncEngine:
         self._adds: list[_Add] = []
         self._aborts: list[str] = []
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
-        self._wakeup: asyncio.Event | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._wakeup = threading.Event()
+        self._stopping = False
+        self._ended = False  # set on the event loop once the step loop has ended and its waiters were failed
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Future[None] | None = None
         self._executor = executor or _engine_thread()
 
     @classmethod
@@ -90,17 +93,19 @@ class AsyncEngine:
 
     # ---- lifecycle ----
     async def start(self) -> None:
-        self._wakeup = asyncio.Event()
-        self._task = asyncio.create_task(self._run(), name="tokenmill-engine-loop")
+        """Starts the step loop on the engine's thread; it runs steps back to back while there is work."""
+        self._event_loop = asyncio.get_running_loop()
+        self._task = asyncio.wrap_future(self._executor.submit(self._run))
 
     async def stop(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
         if self._task is not None:
-            self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         self._executor.shutdown(wait=True)
 
     def is_healthy(self) -> bool:
-        return self._task is not None and not self._task.done()
+        return self._task is not None and not self._task.done() and not self._ended
 
     def stats(self) -> EngineStats:
         with self._lock:
@@ -110,7 +115,7 @@ class AsyncEngine:
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        if self._task is not None and self._task.done():
+        if self._ended or (self._task is not None and self._task.done()):
             yield RequestOutput(request_id, [], list(prompt_token_ids), finished=True, error=ENGINE_STOPPED)
             return
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
@@ -135,33 +140,45 @@ class AsyncEngine:
         self._wake()
 
     def _wake(self) -> None:
-        if self._wakeup is not None:
-            self._wakeup.set()
+        self._wakeup.set()
 
-    # ---- the loop ----
-    async def _run(self) -> None:
+    # ---- the loop (on the engine thread) ----
+    def _run(self) -> None:
+        """Steps while there is work and sleeps when there is none. Each step's outputs are handed to the event loop
+        without waiting for them to be delivered, so the next step starts at once (no round trip per step)."""
         try:
-            await self._loop()
+            while not self._stopping:
+                self._wakeup.clear()
+                if not self._has_pending():
+                    self._wakeup.wait()
+                    continue
+                outputs = self._step()
+                if outputs:
+                    self._deliver_threadsafe(outputs)
         except Exception:
             log.exception("the engine loop died; the server can no longer serve")
         finally:
+            self._deliver_threadsafe(None)
+
+    def _deliver_threadsafe(self, outputs: list[RequestOutput] | None) -> None:
+        if self._event_loop is None or self._event_loop.is_closed():
+            return
+        try:
+            self._event_loop.call_soon_threadsafe(self._deliver, outputs)
+        except RuntimeError:  # the event loop closed meanwhile: nobody is waiting any more
+            pass
+
+    def _deliver(self, outputs: list[RequestOutput] | None) -> None:
+        """On the event loop: each output to its request's queue; None: the loop ended, every waiter gets an error."""
+        if outputs is None:
+            self._ended = True
             for request_id, queue in list(self._queues.items()):
                 queue.put_nowait(RequestOutput(request_id, [], [], finished=True, error=ENGINE_STOPPED))
-
-    async def _loop(self) -> None:
-        assert self._wakeup is not None
-        loop = asyncio.get_running_loop()
-        while True:
-            if not self._has_pending():
-                self._wakeup.clear()
-                if not self._has_pending():
-                    await self._wakeup.wait()
-                continue
-            outputs = await loop.run_in_executor(self._executor, self._step)
-            for out in outputs:
-                queue = self._queues.get(out.request_id)
-                if queue is not None:
-                    queue.put_nowait(out)
+            return
+        for out in outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
 
     def _has_pending(self) -> bool:
         with self._lock:

@@ -160,7 +160,6 @@ def attend_rows(
     scores = torch.matmul(qh, kc).mul_(scale)  # (B, Hkv, n, R, C)
     scores.masked_fill_(~mask, float("-inf"))
     weights = scores.sub_(scores.amax(dim=(2, 4), keepdim=True)).exp_()  # masked keys: exact zeros
-    denom = weights.sum(-1).cumsum(2)[:, :, -1]  # (B, Hkv, R): chunks added in position order
-    numer = torch.matmul(weights, vc).cumsum(2)[:, :, -1]  # (B, Hkv, R, D)
-    out = (numer / denom[..., None])[:, :, :rows]
+    denom = weights.sum(-1, keepdim=True).cumsum(2)[:, :, -1:]  # (B, Hkv, 1, R, 1): chunks added in position order
+    out = torch.matmul(weights.div_(denom), vc).cumsum(2)[:, :, -1, :rows]  # (B, Hkv, R, D), normalised first
     return out.view(b, hkv, m, g, d).permute(0, 2, 1, 3, 4)
