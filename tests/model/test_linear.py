@@ -16,7 +16,7 @@ def test_quantised_layers_approximate_the_dense_product(cls: type, tol: float) -
     w = weight(dtype=torch.bfloat16)
     x = torch.randn(5, 64, dtype=torch.bfloat16)
     ref = F.linear(x.float(), w.float())
-    out = cls(w, torch.bfloat16)(x).float()
+    out = cls.quantize(w, torch.bfloat16)(x).float()
     assert out.shape == ref.shape
     assert (out - ref).abs().max() < tol * ref.abs().max()
 

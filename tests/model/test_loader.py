@@ -171,3 +171,28 @@ def test_bfloat16_start_caches_its_own_cast_and_reuses_it(tmp_path: Path) -> Non
     for name, tensor in reference.items():
         assert second[name].dtype == torch.bfloat16
         assert torch.equal(first[name], tensor.to(torch.bfloat16)) and torch.equal(second[name], first[name])
+
+
+def test_a_quantised_start_caches_its_prepared_weights_and_the_next_start_computes_the_same(tmp_path: Path) -> None:
+    from tokenmill.config import Config
+    from tokenmill.engine.engine import AsyncEngine
+    from tokenmill.model.linear import Int8Embedding, Int8Linear
+
+    path = str(write_tiny_gguf(tmp_path / "tiny.gguf"))
+    config = Config(model=path, cache_dir=str(tmp_path), dtype="bfloat16", quantization="int8")
+    ids = torch.tensor([2, 17, 5, 99, 42])
+
+    def logits(engine: AsyncEngine) -> torch.Tensor:
+        return engine.run_in_engine_thread(lambda: engine.core.runner.model.forward_dense(ids))
+
+    first = AsyncEngine.from_config(config)
+    (prepared,) = tmp_path.glob("gguf-*/prepared-v*.bfloat16-int8.safetensors")
+    assert not load_model_files(path, str(tmp_path), torch.bfloat16).prepared  # other modes keep their own files
+    reloaded = load_model_files(path, str(tmp_path), torch.bfloat16, "int8")
+    assert reloaded.prepared and "lm_head.qweight" in reloaded.state_dict
+    assert "model.embed_tokens.weight" not in reloaded.state_dict  # lookups read the int8 head
+    second = AsyncEngine.from_config(config)
+    model = second.core.runner.model
+    assert isinstance(model.lm_head, Int8Linear) and isinstance(model.model.embed_tokens, Int8Embedding)
+    assert torch.equal(logits(first), logits(second))
+    assert prepared.stat().st_size < 0.6 * next(tmp_path.glob("gguf-*/model.bfloat16.safetensors")).stat().st_size

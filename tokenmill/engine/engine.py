@@ -9,6 +9,7 @@ every waiting caller gets a final error output instead of waiting forever, and `
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import hashlib
 import logging
 import threading
@@ -76,14 +77,19 @@ class AsyncEngine:
     def _load(config: Config) -> tuple[EngineCore, str, str]:
         import torch
 
-        from tokenmill.model.loader import load_model_files
+        from tokenmill.model.loader import load_model_files, prepared_file, save_prepared
         from tokenmill.model.registry import build_model
 
         if config.threads:
             torch.set_num_threads(config.threads)
-        loaded = load_model_files(config.model, config.cache_dir, getattr(torch, config.dtype))
-        model = build_model(loaded.config, loaded.state_dict)
+        dtype, quantization = getattr(torch, config.dtype), config.weight_quantization
+        loaded = load_model_files(config.model, config.cache_dir, dtype, quantization)
+        model = build_model(loaded.config, loaded.state_dict, prepared=loaded.prepared)
+        loaded.state_dict = {}  # the model holds what it uses; the rest (a replaced bf16 table) can go
         core = build_engine_core(model, loaded.tokenizer, config)
+        if not loaded.prepared and loaded.cache_entry is not None and quantization != "none":
+            save_prepared(model.state_dict(), prepared_file(loaded.cache_entry, dtype, quantization))
+        _release_freed_memory()
         name = config.served_model_name or loaded.name
         return core, name, system_fingerprint(loaded.source_id, config)
 
@@ -214,6 +220,14 @@ class AsyncEngine:
                 self.core.abort(request_id)
                 outputs.append(RequestOutput(request_id, [], state.prompt_ids, finished=True, error=message))
         return outputs
+
+
+def _release_freed_memory() -> None:
+    """Hand the heap freed while loading (full-precision weights replaced by quantised ones) back to the OS."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)  # glibc; elsewhere the memory is reused by later allocations anyway
+    except (OSError, AttributeError):
+        pass
 
 
 def system_fingerprint(source_id: str, config: Config) -> str:

