@@ -128,14 +128,23 @@ def paged_attention(
     k_cache, v_cache = kv_cache
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
-    _, hq, d = q.shape
-    hkv = k_cache.shape[1]
+    t, hq, d = q.shape
+    batches = meta.row_batches(window, hq * d)
+    if len(batches) == 1 and len(batches[0].rows) == t:  # one batch holds every row, in order (a pure decode step)
+        return _attend(q, k_cache, v_cache, batches[0], scale).reshape(t, hq, d).to(q.dtype)
     out = torch.empty_like(q)
-    for batch in meta.row_batches(window, hq * d):
-        rows = q.index_select(0, batch.rows).view(-1, batch.num_rows, hkv, hq // hkv, d)  # (B, M, Hkv, G, D)
-        o = attend_rows(rows, k_cache[batch.key_slots], v_cache[batch.key_slots], batch.visible, scale)
+    for batch in batches:
+        o = _attend(q.index_select(0, batch.rows), k_cache, v_cache, batch, scale)
         out.index_copy_(0, batch.rows, o.reshape(-1, hq, d).to(q.dtype))
     return out
+
+
+def _attend(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: RowBatch, scale: float
+) -> torch.Tensor:
+    hkv, (_, hq, d) = k_cache.shape[1], q.shape
+    rows = q.view(-1, batch.num_rows, hkv, hq // hkv, d)  # (B, M, Hkv, G, D)
+    return attend_rows(rows, k_cache[batch.key_slots], v_cache[batch.key_slots], batch.visible, scale)
 
 
 def attend_rows(
