@@ -159,8 +159,9 @@ class EngineCore:
             return
         rows = sorted({r for r, _ in to_sample})
         logits = self.runner.logits(hidden[rows])  # (R, V)
-        where = {r: i for i, r in enumerate(rows)}
-        logits = logits[[where[r] for r, _ in to_sample]]  # (N, V): forked choices share their parent's row
+        if [r for r, _ in to_sample] != rows:  # forked choices share their parent's row: (N, V), a copy
+            where = {r: i for i, r in enumerate(rows)}
+            logits = logits[[where[r] for r, _ in to_sample]]
         to_sample, logits = self._drop_non_finite(to_sample, logits)
         inputs = [SampleInput(seq.params, seq.generator, seq.output_counts) for _, seq in to_sample]
         for (_, seq), result in zip(to_sample, self._sample_rows(logits, inputs)):

@@ -32,6 +32,7 @@ class Sampled:
     top: list[tuple[int, float]]  # the `params.logprobs` most likely tokens, best first (empty if not asked)
 
 
+@torch.inference_mode()  # the logits are inference tensors, adjusted in place
 def sample(logits: torch.Tensor, rows: Seq[SampleInput]) -> list[Sampled]:
     """logits: (N, V) float32 raw model logits, one row per entry of `rows`.
 
@@ -42,7 +43,8 @@ def sample(logits: torch.Tensor, rows: Seq[SampleInput]) -> list[Sampled]:
     log_norm = dict(zip(scored, torch.logsumexp(logits[scored], dim=-1))) if scored else {}  # row → 0-dim tensor
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     with adjusted(logits, rows) as processed:  # bias and penalties applied in place, undone on exit
-        chosen = dict(zip(greedy, processed[greedy].argmax(dim=-1).tolist())) if greedy else {}  # one pass
+        greedy_rows = processed if len(greedy) == len(rows) else processed[greedy]  # (a copy only when mixed)
+        chosen = dict(zip(greedy, greedy_rows.argmax(dim=-1).tolist())) if greedy else {}  # one pass
         tokens = [chosen[i] if i in chosen else _choose(processed[i], row) for i, row in enumerate(rows)]
     results = []
     for i, (row, token) in enumerate(zip(rows, tokens)):
