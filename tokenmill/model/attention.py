@@ -144,7 +144,10 @@ def _attend(
 ) -> torch.Tensor:
     hkv, (_, hq, d) = k_cache.shape[1], q.shape
     rows = q.view(-1, batch.num_rows, hkv, hq // hkv, d)  # (B, M, Hkv, G, D)
-    return attend_rows(rows, k_cache[batch.key_slots], v_cache[batch.key_slots], batch.visible, scale)
+    slots = batch.key_slots.view(-1)  # index_select copies whole rows; fancy indexing was ~6x slower here
+    keys = k_cache.index_select(0, slots).view(*batch.key_slots.shape, hkv, d)
+    values = v_cache.index_select(0, slots).view(*batch.key_slots.shape, hkv, d)
+    return attend_rows(rows, keys, values, batch.visible, scale)
 
 
 def attend_rows(
@@ -164,9 +167,9 @@ def attend_rows(
         pad = ROW_TILE - rows % ROW_TILE
         qh = torch.cat([qh, qh.new_zeros(b, hkv, 1, pad, d)], dim=3)
         mask = torch.cat([mask, mask.new_ones(b, 1, n, pad, CHUNK)], dim=3)
-    kc = keys.view(b, n, CHUNK, hkv, d).permute(0, 3, 1, 4, 2).float()  # (B, Hkv, n, D, C)
-    vc = values.view(b, n, CHUNK, hkv, d).permute(0, 3, 1, 2, 4).float()  # (B, Hkv, n, C, D)
-    scores = torch.matmul(qh, kc).mul_(scale)  # (B, Hkv, n, R, C)
+    kc = keys.float().view(b, n, CHUNK, hkv, d).permute(0, 3, 1, 2, 4)  # (B, Hkv, n, C, D)
+    vc = values.float().view(b, n, CHUNK, hkv, d).permute(0, 3, 1, 2, 4)  # (B, Hkv, n, C, D)
+    scores = torch.matmul(qh, kc.transpose(-1, -2)).mul_(scale)  # (B, Hkv, n, R, C)
     scores.masked_fill_(~mask, float("-inf"))
     weights = scores.sub_(scores.amax(dim=(2, 4), keepdim=True)).exp_()  # masked keys: exact zeros
     denom = weights.sum(-1, keepdim=True).cumsum(2)[:, :, -1:]  # (B, Hkv, 1, R, 1): chunks added in position order
