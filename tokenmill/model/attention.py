@@ -30,6 +30,19 @@ class RowBatch:
     key_slots: torch.Tensor  # (B, n * CHUNK) cache slots, from an aligned start; padding repeats a real slot
     visible: torch.Tensor  # (B, 1, n, M, CHUNK) bool: which keys each row sees
     num_rows: int  # M
+    _hidden: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def hidden(self, group: int) -> torch.Tensor:
+        """(B, 1, n, R, CHUNK) bool, True where a key is NOT visible; R = M × group query heads, padded to whole
+        tiles (padding rows see every key). Built once per step and shared by every layer of this window."""
+        if group not in self._hidden:
+            b, _, n, m, _ = self.visible.shape
+            hidden = (~self.visible)[..., None, :].expand(b, 1, n, m, group, CHUNK).reshape(b, 1, n, m * group, CHUNK)
+            if (m * group) % ROW_TILE:
+                pad = hidden.new_zeros(b, 1, n, ROW_TILE - (m * group) % ROW_TILE, CHUNK)
+                hidden = torch.cat([hidden, pad], dim=3)
+            self._hidden[group] = hidden
+        return self._hidden[group]
 
 
 @dataclass
@@ -147,14 +160,14 @@ def _attend(
     slots = batch.key_slots.view(-1)  # index_select copies whole rows; fancy indexing was ~6x slower here
     keys = k_cache.index_select(0, slots).view(*batch.key_slots.shape, hkv, d)
     values = v_cache.index_select(0, slots).view(*batch.key_slots.shape, hkv, d)
-    return attend_rows(rows, keys, values, batch.visible, scale)
+    return attend_rows(rows, keys, values, batch.hidden(hq // hkv), scale)
 
 
 def attend_rows(
     q: torch.Tensor,  # (B, M, Hkv, G, D)
     keys: torch.Tensor,  # (B, L, Hkv, D), L a multiple of CHUNK
     values: torch.Tensor,  # (B, L, Hkv, D)
-    visible: torch.Tensor,  # (B, 1, n, M, CHUNK) bool
+    hidden: torch.Tensor,  # (B, 1, n, R, CHUNK) bool, True for keys a row must not see (RowBatch.hidden)
     scale: float,
 ) -> torch.Tensor:
     """Softmax attention of each row over its visible keys in float32; returns (B, M, Hkv, G, D)."""
@@ -162,15 +175,12 @@ def attend_rows(
     n = keys.shape[1] // CHUNK
     rows = m * g
     qh = q.permute(0, 2, 1, 3, 4).reshape(b, hkv, 1, rows, d).float()
-    mask = visible[..., None, :].expand(b, 1, n, m, g, CHUNK).reshape(b, 1, n, rows, CHUNK)
-    if rows % ROW_TILE:
-        pad = ROW_TILE - rows % ROW_TILE
-        qh = torch.cat([qh, qh.new_zeros(b, hkv, 1, pad, d)], dim=3)
-        mask = torch.cat([mask, mask.new_ones(b, 1, n, pad, CHUNK)], dim=3)
+    if rows % ROW_TILE:  # whole tiles of rows: fp32 matmuls compute a partial tile with another kernel
+        qh = torch.cat([qh, qh.new_zeros(b, hkv, 1, ROW_TILE - rows % ROW_TILE, d)], dim=3)
     kc = keys.float().view(b, n, CHUNK, hkv, d).permute(0, 3, 1, 2, 4)  # (B, Hkv, n, C, D)
     vc = values.float().view(b, n, CHUNK, hkv, d).permute(0, 3, 1, 2, 4)  # (B, Hkv, n, C, D)
     scores = torch.matmul(qh, kc.transpose(-1, -2)).mul_(scale)  # (B, Hkv, n, R, C)
-    scores.masked_fill_(~mask, float("-inf"))
+    scores.masked_fill_(hidden, float("-inf"))
     weights = scores.sub_(scores.amax(dim=(2, 4), keepdim=True)).exp_()  # masked keys: exact zeros
     denom = weights.sum(-1, keepdim=True).cumsum(2)[:, :, -1:]  # (B, Hkv, 1, R, 1): chunks added in position order
     out = torch.matmul(weights.div_(denom), vc).cumsum(2)[:, :, -1, :rows]  # (B, Hkv, R, D), normalised first
