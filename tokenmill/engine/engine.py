@@ -9,7 +9,6 @@ every waiting caller gets a final error output instead of waiting forever, and `
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import hashlib
 import logging
 import threading
@@ -27,6 +26,7 @@ from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.engine.scheduler import Scheduler
+from tokenmill.memory import release_freed_memory
 from tokenmill.model.model_config import ModelConfig
 from tokenmill.tokenizer import Tokenizer
 
@@ -89,7 +89,7 @@ class AsyncEngine:
         core = build_engine_core(model, loaded.tokenizer, config)
         if not loaded.prepared and loaded.cache_entry is not None and quantization != "none":
             save_prepared(model.state_dict(), prepared_file(loaded.cache_entry, dtype, quantization))
-        _release_freed_memory()
+        release_freed_memory()
         name = config.served_model_name or loaded.name
         return core, name, system_fingerprint(loaded.source_id, config)
 
@@ -220,14 +220,6 @@ class AsyncEngine:
                 self.core.abort(request_id)
                 outputs.append(RequestOutput(request_id, [], state.prompt_ids, finished=True, error=message))
         return outputs
-
-
-def _release_freed_memory() -> None:
-    """Hand the heap freed while loading (full-precision weights replaced by quantised ones) back to the OS."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)  # glibc; elsewhere the memory is reused by later allocations anyway
-    except (OSError, AttributeError):
-        pass
 
 
 def system_fingerprint(source_id: str, config: Config) -> str:

@@ -29,6 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tokenmill.config import DEFAULT_MODEL_NAME
+from tokenmill.memory import release_freed_memory
 from tokenmill.model.hf_dir import read_hf_config, read_hf_state_dict
 from tokenmill.model.model_config import ModelConfig
 from tokenmill.tokenizer import Tokenizer
@@ -110,7 +111,9 @@ def load_gguf(
         prepared = prepared_file(entry, dtype, quantization) if quantization else None
         if prepared is not None and prepared.is_file():
             config = config_from_json(json.loads((entry / CONFIG_FILE).read_text()))
-            return LoadedWeights(config, _load_aligned(prepared), Tokenizer.load(entry), source_id, name, entry, True)
+            tokenizer = Tokenizer.load(entry)
+            release_freed_memory()  # the tokenizer's JSON parse leaves ~190 MB of freed heap: return it before the weights
+            return LoadedWeights(config, _load_aligned(prepared), tokenizer, source_id, name, entry, True)
         return _read_entry(entry, dtype, source_id, name)
     from tokenmill.model.gguf_convert import read_gguf  # gguf is only needed on a cache miss
 
@@ -123,14 +126,33 @@ def load_gguf(
     return LoadedWeights(model.config, state_dict, model.tokenizer, source_id, name, entry if entry.is_dir() else None)
 
 
-def _load_aligned(path: Path) -> dict[str, torch.Tensor]:
-    """A safetensors file copied into torch's own (64-byte aligned) memory, one tensor at a time.
+_SAFETENSORS_DTYPES = {
+    "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I8": torch.int8, "U8": torch.uint8,
+    "I32": torch.int32, "I64": torch.int64,
+}
 
-    The file's tensors sit at arbitrary offsets of a memory map, and torch's int8 matmul kernel crashed (SIGSEGV) on
-    such a misaligned weight; copies also leave nothing mapped once loaded.
+
+def _load_aligned(path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file read straight into torch's own (64-byte aligned) tensors, one tensor at a time.
+
+    Why not `safetensors.torch.load_file`: its tensors sit at arbitrary offsets of a memory map, torch's int8 matmul
+    kernel crashed (SIGSEGV) on such a misaligned weight, and copying them out of the map held both copies in the
+    process's memory at once (the start-up peak). Reading into fresh tensors leaves only the page cache behind.
     """
-    with safe_open(str(path), framework="pt") as f:
-        return {k: f.get_tensor(k).clone() for k in f.keys()}  # noqa: SIM118 - safe_open has no items()
+    out: dict[str, torch.Tensor] = {}
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            tensor = torch.empty(info["shape"], dtype=_SAFETENSORS_DTYPES[info["dtype"]])
+            begin, end = info["data_offsets"]
+            f.seek(8 + header_len + begin)
+            if tensor.numel() and f.readinto(memoryview(tensor.view(-1).view(torch.uint8).numpy())) != end - begin:
+                raise OSError(f"{path} is truncated at tensor {name}")
+            out[name] = tensor
+    return out
 
 
 def _read_entry(entry: Path, dtype: torch.dtype, source_id: str, name: str) -> LoadedWeights:
