@@ -14,7 +14,7 @@ from torch import nn
 
 from tokenmill.model.attention import AttentionMetadata, paged_attention
 from tokenmill.model.dense import dense_metadata, empty_kv_caches
-from tokenmill.model.layers import RMSNorm, Rotary, apply_rotary
+from tokenmill.model.layers import RMSNorm, Rotary, gelu_mul, norm_rotary
 from tokenmill.model.model_config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -39,9 +39,9 @@ class Gemma3Attention(nn.Module):
     ) -> torch.Tensor:
         t, heads, d = x.shape[0], self.num_heads + self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
-        qk = qkv[:, : heads * d].reshape(t, heads, d)  # q heads then k heads: normed and rotated together
-        qk = (F.rms_norm(qk.float(), (d,), None, self.eps) * self.qk_factor).to(x.dtype)
-        q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        qk = qkv[:, : heads * d].view(t, heads, d)  # q heads then k heads: normed and rotated together
+        qk = norm_rotary(qk, self.qk_factor, self.eps, *rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, heads * d :].view(t, self.num_kv_heads, d)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.window)  # (T, Hq, D)
         return self.o_proj(out.reshape(t, self.num_heads * d))
@@ -62,8 +62,7 @@ class Gemma3MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(gelu_mul(self.gate_up_proj(x)))
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -81,8 +80,8 @@ class Gemma3DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, kv_cache, meta))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = self.post_attention_layernorm.add_to(x, self.self_attn(self.input_layernorm(x), rope, kv_cache, meta))
+        return self.post_feedforward_layernorm.add_to(x, self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class Gemma3Model(nn.Module):

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.model import fused
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32. Gemma scales by (1 + w) in float32 (`offset=1.0`); Llama by w after the cast.
@@ -30,8 +32,16 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.offset:
+            if fused.usable(x):
+                return fused.rms_norm(x, self.factor, self.eps)
             return F.rms_norm(x.float(), self.weight.shape, self.factor, self.eps).to(x.dtype)
         return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+
+    def add_to(self, residual: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """residual + self(y): Gemma's norm after each sublayer, added back to the residual stream."""
+        if self.offset and fused.usable(y):
+            return fused.add_rms_norm(residual, y, self.factor, self.eps)
+        return residual + self(y)
 
 
 class Rotary(nn.Module):
@@ -60,3 +70,19 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     """x: (T, heads, head_dim). HF's x·cos + rotate_half(x)·sin, where rotate_half(x) = (-x₂, x₁): the halves swapped
     by one roll and the minus carried by the signed sin, in three ops instead of seven (this runs twice per layer)."""
     return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), signed_sin)
+
+
+def norm_rotary(
+    x: torch.Tensor, factor: torch.Tensor, eps: float, cos: torch.Tensor, signed_sin: torch.Tensor
+) -> torch.Tensor:
+    """x: (T, H, D). Each head RMS-normed with its row of `factor` ((H, D) float32), then rotated (Gemma's q/k)."""
+    if fused.usable(x):
+        return fused.norm_rotary(x, factor, cos[:, 0], signed_sin[:, 0], eps)
+    normed = (F.rms_norm(x.float(), (x.shape[-1],), None, eps) * factor).to(x.dtype)
+    return apply_rotary(normed, cos, signed_sin)
+
+
+def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """(T, 2F) → gelu_tanh(gate) · up, (T, F): Gemma's gated MLP activation."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

@@ -1,0 +1,73 @@
+"""The fused bfloat16 kernels (tokenmill/model/fused.c) against the torch ops they replace, and batch invariance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill.model import fused
+from tokenmill.model.layers import RMSNorm, Rotary, apply_rotary, gelu_mul, norm_rotary
+
+pytestmark = pytest.mark.skipif(fused.library() is None, reason="no C compiler: the torch path is the only path")
+BF16 = torch.bfloat16
+EPS = 1e-6
+
+
+def _randn(*shape: int, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(BF16)
+
+
+def _norm(dim: int) -> RMSNorm:
+    norm = RMSNorm(dim, EPS, offset=1.0)
+    norm.weight.data = torch.randn(dim, generator=torch.Generator().manual_seed(9)).to(BF16)
+    return norm
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance between two bf16 tensors in units in the last place (same-sign values)."""
+    return int((a.view(torch.int16).int() - b.view(torch.int16).int()).abs().max())
+
+
+def test_rms_norm_equals_torch_and_its_residual_add_too() -> None:
+    x, y, norm = _randn(7, 640, scale=30.0), _randn(7, 640, seed=1, scale=5.0), _norm(640)
+    torch_path = F.rms_norm(x.float(), (640,), norm.factor, EPS).to(BF16)
+    assert _ulps(fused.rms_norm(x, norm.factor, EPS), torch_path) <= 1
+    expected = y + F.rms_norm(x.float(), (640,), norm.factor, EPS).to(BF16)
+    assert _ulps(fused.add_rms_norm(y, x, norm.factor, EPS), expected) <= 1
+
+
+def test_norm_rotary_equals_norm_then_rotary_on_strided_heads() -> None:
+    t, heads, d = 5, 5, 256
+    qkv = _randn(t, (heads + 1) * d, scale=4.0)
+    x = qkv[:, : heads * d].view(t, heads, d)  # rows strided, as sliced from the q/k/v projection
+    factor = torch.rand(heads, d, generator=torch.Generator().manual_seed(3)) + 0.5
+    cos, signed_sin = Rotary(d, 10_000.0)(torch.arange(100, 100 + t), BF16)
+    normed = (F.rms_norm(x.float(), (d,), None, EPS) * factor).to(BF16)
+    expected = apply_rotary(normed, cos, signed_sin)
+    got = fused.norm_rotary(x, factor, cos[:, 0], signed_sin[:, 0], EPS)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=1e-2, atol=1e-2)
+    assert (got != expected).float().mean() < 0.02  # rounding points identical: only rare last-bit ties differ
+
+
+def test_rows_do_not_depend_on_the_batch() -> None:
+    x, norm = _randn(9, 640, seed=4, scale=10.0), _norm(640)
+    gate_up = _randn(9, 512, seed=5)
+    cos, signed_sin = Rotary(64, 10_000.0)(torch.arange(9), BF16)
+    heads = _randn(9, 3, 64, seed=6)
+    factor = torch.ones(3, 64)
+    whole = (norm(x), norm.add_to(x, x), gelu_mul(gate_up), norm_rotary(heads, factor, EPS, cos, signed_sin))
+    for i in (0, 4, 8):
+        alone = (norm(x[i : i + 1]), norm.add_to(x[i : i + 1], x[i : i + 1]), gelu_mul(gate_up[i : i + 1]),
+                 norm_rotary(heads[i : i + 1], factor, EPS, cos[i : i + 1], signed_sin[i : i + 1]))
+        for a, w in zip(alone, whole):
+            assert torch.equal(a[0], w[i])
+
+
+def test_without_a_compiler_the_torch_path_computes_the_same_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    x, norm = _randn(3, 640, seed=7, scale=10.0), _norm(640)
+    with_kernels = (norm(x), gelu_mul(torch.cat([x, x], dim=-1)))
+    monkeypatch.setattr(fused, "library", lambda: None)
+    without = (norm(x), gelu_mul(torch.cat([x, x], dim=-1)))
+    assert _ulps(with_kernels[0], without[0]) <= 1
+    torch.testing.assert_close(with_kernels[1].float(), without[1].float(), rtol=1e-2, atol=1e-2)
