@@ -40,7 +40,9 @@ def sample(logits: torch.Tensor, rows: Seq[SampleInput]) -> list[Sampled]:
     used: logprobs were asked for, or several choices will be ranked.
     """
     scored = [i for i, r in enumerate(rows) if r.params.logprobs is not None or r.params.n > 1]
-    log_norm = dict(zip(scored, torch.logsumexp(logits[scored], dim=-1))) if scored else {}  # row → 0-dim tensor
+    # one row at a time: over a few rows torch splits each row's sum between threads, over many it does not, so a
+    # batched logsumexp would give a row different bits alone and under load
+    log_norm = {i: torch.logsumexp(logits[i], dim=-1) for i in scored}  # row → 0-dim tensor
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     with adjusted(logits, rows) as processed:  # bias and penalties applied in place, undone on exit
         greedy_rows = processed if len(greedy) == len(rows) else processed[greedy]  # (a copy only when mixed)
