@@ -109,7 +109,9 @@ def norm_rotary(x: torch.Tensor, factor: torch.Tensor, cos: torch.Tensor, signed
                 eps: float) -> torch.Tensor:
     """x: (T, H, D) bf16 whose heads are packed within each row (rows may be strided) → normed and rotated, packed."""
     t, heads, d = x.shape
-    if x.stride(2) != 1 or x.stride(1) != d or d > MAX_HEAD_DIM:
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {d} is over the kernel's {MAX_HEAD_DIM}; use the torch path")
+    if x.stride(2) != 1 or x.stride(1) != d:
         x = x.contiguous()
     cos, signed_sin = cos.contiguous(), signed_sin.contiguous()
     out = torch.empty(t, heads, d, dtype=x.dtype)

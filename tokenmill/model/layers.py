@@ -76,7 +76,7 @@ def norm_rotary(
     x: torch.Tensor, factor: torch.Tensor, eps: float, cos: torch.Tensor, signed_sin: torch.Tensor
 ) -> torch.Tensor:
     """x: (T, H, D). Each head RMS-normed with its row of `factor` ((H, D) float32), then rotated (Gemma's q/k)."""
-    if fused.usable(x):
+    if fused.usable(x) and x.shape[-1] <= fused.MAX_HEAD_DIM:
         return fused.norm_rotary(x, factor, cos[:, 0], signed_sin[:, 0], eps)
     normed = (F.rms_norm(x.float(), (x.shape[-1],), None, eps) * factor).to(x.dtype)
     return apply_rotary(normed, cos, signed_sin)
