@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from tokenmill.bench.servers import ManagedServer, ServerSpec, tokenmill_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,", "hello world", "the"]
@@ -201,31 +202,15 @@ def rss_kb(pid: int) -> int:
 
 
 # --- the server ---------------------------------------------------------------------------------------------------
-def start_server(model: str, port: int, workdir: Path) -> subprocess.Popen[bytes]:
+def server_spec(model: str, port: int, workdir: Path) -> ServerSpec:
     if model == "tiny":
         sys.path.insert(0, str(ROOT))
         from tests.tiny_model import write_tiny_model
 
         model = str(write_tiny_model(workdir / "tiny-model"))
-    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--log-level", "warning"]
-    if model != "default":
-        cmd += ["--model", model, "--cache-dir", str(workdir / "cache")]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=(workdir / "server.log").open("wb"))
-
-
-def wait_healthy(base_url: str, process: subprocess.Popen[bytes] | None, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode}")
-        try:
-            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError("the server did not become healthy")
+    if model == "default":
+        return tokenmill_spec(port, None, [])
+    return tokenmill_spec(port, model, [], cache_dir=str(workdir / "cache"))
 
 
 def report(args: argparse.Namespace, tally: Tally, elapsed: float) -> bool:
@@ -256,18 +241,18 @@ def main() -> int:
     parser.add_argument("--max-rss-growth", type=float, default=5.0, help="percent; more fails the run")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="tokenmill-soak-") as tmp:
-        process = None if args.url else start_server(args.model, args.port, Path(tmp))
+        server = None if args.url else ManagedServer(server_spec(args.model, args.port, Path(tmp)), Path(tmp))
         base_url = args.url or f"http://127.0.0.1:{args.port}"
         try:
-            wait_healthy(base_url, process)
+            if server is not None:
+                server.start(timeout_s=600)
             start = time.monotonic()
-            tally = asyncio.run(asyncio.wait_for(soak(args, base_url, process.pid if process else args.pid),
+            tally = asyncio.run(asyncio.wait_for(soak(args, base_url, server.pid if server else args.pid),
                                                  args.timeout_s))
             return 0 if report(args, tally, time.monotonic() - start) else 1
         finally:
-            if process is not None:
-                process.terminate()
-                process.wait(timeout=60)
+            if server is not None:
+                server.stop(grace_s=60)
 
 
 if __name__ == "__main__":

@@ -128,18 +128,25 @@ async def _overload(server: Server, model: str) -> tuple[list[int], list[int]]:
     return statuses, health
 
 
+async def _sigterm_during_requests(
+    client: httpx.AsyncClient, server: Server, model: str
+) -> list[asyncio.Task[httpx.Response]]:
+    """Four long requests (the first streamed) sent, once one runs SIGTERM: returns the requests' tasks."""
+    in_flight = [
+        asyncio.create_task(client.post("/v1/completions", json=long_request(model, stream=i == 0))) for i in range(4)
+    ]
+    await _until(client, "/stats", lambda r: r.json()["num_running"] > 0)
+    server.process.send_signal(signal.SIGTERM)
+    return in_flight
+
+
 def test_sigterm_refuses_new_requests_finishes_in_flight_ones_and_exits_0(tiny_model_dir: Path, tmp_path: Path) -> None:
     model = tiny_model_dir.name
     with serve(tiny_model_dir, tmp_path, "--max-num-seqs", "1", "--shutdown-grace-s", "60") as server:
 
         async def scenario() -> tuple[list[httpx.Response], httpx.Response, httpx.Response]:
             async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
-                in_flight = [
-                    asyncio.create_task(client.post("/v1/completions", json=long_request(model, stream=i == 0)))
-                    for i in range(4)
-                ]
-                await _until(client, "/stats", lambda r: r.json()["num_running"] > 0)
-                server.process.send_signal(signal.SIGTERM)
+                in_flight = await _sigterm_during_requests(client, server, model)
                 health = await _until(client, "/health", lambda r: r.status_code == 503)
                 refused = await client.post("/v1/completions", json=long_request(model))
                 return list(await asyncio.gather(*in_flight)), health, refused
@@ -163,12 +170,7 @@ def test_past_the_grace_period_what_still_runs_ends_with_503_and_the_process_exi
 
         async def scenario() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
-                in_flight = [
-                    asyncio.create_task(client.post("/v1/completions", json=long_request(model, stream=i == 0)))
-                    for i in range(4)
-                ]
-                await _until(client, "/stats", lambda r: r.json()["num_running"] > 0)
-                server.process.send_signal(signal.SIGTERM)
+                in_flight = await _sigterm_during_requests(client, server, model)
                 return list(await asyncio.gather(*in_flight))
 
         responses = asyncio.run(asyncio.wait_for(scenario(), 120))

@@ -8,13 +8,9 @@ body. A violation fails the request where it happens and, in case a client swall
 from __future__ import annotations
 
 import importlib
-import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -23,15 +19,15 @@ import openai
 import pytest
 
 from tests.openapi_contract import ContractViolation, ResponseCheck
+from tokenmill.bench.servers import ManagedServer, free_port, tokenmill_spec
 
 MODEL = "gemma-3-270m"
-START_TIMEOUT_S = 300  # the very first start converts the GGUF file (~30 s on 2 cores), later ones take seconds
+START_TIMEOUT_S = 300  # the very first start converts the GGUF file (~10 s on 2 cores), later ones take ~2 s
 
 
 @dataclass
 class Server:
     base_url: str
-    process: subprocess.Popen[bytes]
 
     def client(self, **kw: object) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.base_url + "/v1", api_key="unused", max_retries=0, timeout=120, **kw)
@@ -40,53 +36,23 @@ class Server:
         return httpx.get(self.base_url + "/stats", timeout=10).json()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_healthy(base_url: str, process: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}")
-        try:
-            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("server did not become healthy")
-
-
 @pytest.fixture(scope="session")
-def server() -> Iterator[Server]:
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     # float32: the fidelity tests compare with transformers' fp32 reference; test_default_mode.py covers the default
-    yield from serve(["--dtype", "float32"])
+    yield from serve(["--dtype", "float32"], tmp_path_factory.mktemp("server-fp32"))
 
 
 @pytest.fixture(scope="session")
-def default_server() -> Iterator[Server]:
+def default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """The mode a user gets from `tokenmill serve`: bfloat16 activations, int8 weights."""
-    yield from serve([])
+    yield from serve([], tmp_path_factory.mktemp("server-default"))
 
 
-def serve(extra_args: list[str]) -> Iterator[Server]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--log-level", "warning", *extra_args]
-    process = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(base_url, process)
-        yield Server(base_url, process)
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+def serve(extra_args: list[str], log_dir: Path) -> Iterator[Server]:
+    """The real server on the default model, as the benchmark starts it (a failed start raises with its log's tail)."""
+    with ManagedServer(tokenmill_spec(free_port(), None, extra_args), log_dir) as managed:
+        managed.start(START_TIMEOUT_S)
+        yield Server(managed.url)
 
 
 # --- the OpenAPI contract on every response -------------------------------------------------------------------------

@@ -140,6 +140,10 @@ class ManagedServer:
         return self.spec.url
 
     @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    @property
     def peak_rss_mb(self) -> float | None:
         return self._rss.peak_bytes / 2**20 if self._rss else None
 
