@@ -63,13 +63,14 @@ def prepared_file(entry: Path, dtype: torch.dtype, quantization: str) -> Path:
     return entry / f"prepared-v{PREPARED_VERSION}.{str(dtype).removeprefix('torch.')}-{quantization}.safetensors"
 
 
-def save_prepared(state_dict: dict[str, torch.Tensor], path: Path) -> None:
+def save_weights_atomically(state_dict: dict[str, torch.Tensor], path: Path) -> None:
+    """Write a cache file whole or not at all (readers never see a partial file); failing only costs a later start."""
     tmp = path.with_suffix(f".tmp-{os.getpid()}")
     try:
         save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp))
         os.replace(tmp, path)
     except OSError as e:  # a read-only or full cache costs the next start time, not this one its model
-        logger.warning("could not cache the prepared weights in %s: %s", path, e)
+        logger.warning("could not cache weights in %s: %s", path, e)
         tmp.unlink(missing_ok=True)
 
 
@@ -169,12 +170,7 @@ def _cached_weights(entry: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     if not cast.is_file():
         with safe_open(str(entry / WEIGHTS_FILE), framework="pt") as f:
             state_dict = {k: f.get_tensor(k).to(dtype) for k in f.keys()}  # noqa: SIM118 - one tensor at a time
-        tmp = cast.with_suffix(f".tmp-{os.getpid()}")
-        try:
-            save_file(state_dict, str(tmp))
-            os.replace(tmp, cast)
-        except OSError as e:
-            logger.warning("could not cache the %s weights in %s: %s", dtype, entry, e)
+        save_weights_atomically(state_dict, cast)
         return state_dict
     return load_file(str(cast))
 
