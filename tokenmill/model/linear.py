@@ -132,26 +132,28 @@ def prepare_linears(model: nn.Module, quantization: str) -> None:
                 setattr(parent, name, make_linear(child.weight.data, quantization))
     if getattr(model, "lm_head", None) is None:  # tied: the head gets its own module
         model.lm_head = make_linear(model.get_submodule("model.embed_tokens").weight.data, quantization)
-        if isinstance(model.lm_head, Int8Linear):
-            model.model.embed_tokens = Int8Embedding(model.lm_head)
+        _look_up_in_int8_head(model)
 
 
 def adopt_prepared(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
-    """Give a freshly built (meta) model the module kinds that a saved prepared state dict was taken from."""
+    """Give a freshly built (meta) model the quantised modules that a saved prepared state dict was taken from."""
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             key = f"{parent_name}.{name}" if parent_name else name
-            if isinstance(child, nn.Linear):
+            if isinstance(child, nn.Linear) and f"{key}.qweight" in state_dict:
                 setattr(parent, name, _prepared_linear(key, state_dict))
-    if getattr(model, "lm_head", None) is None and "lm_head.qweight" in state_dict:
+    if getattr(model, "lm_head", None) is None and "lm_head.qweight" in state_dict:  # a tied head, quantised
         model.lm_head = _prepared_linear("lm_head", state_dict)
-    if isinstance(getattr(model, "lm_head", None), Int8Linear) and "model.embed_tokens.weight" not in state_dict:
+        _look_up_in_int8_head(model)
+
+
+def _look_up_in_int8_head(model: nn.Module) -> None:
+    """A tied int8 head also serves the embedding lookups; the full-precision table goes."""
+    if isinstance(model.lm_head, Int8Linear):
         model.model.embed_tokens = Int8Embedding(model.lm_head)
 
 
 def _prepared_linear(key: str, state_dict: dict[str, torch.Tensor]) -> nn.Module:
     if f"{key}.scale" in state_dict:
         return Int8Linear(state_dict[f"{key}.qweight"], state_dict[f"{key}.scale"])
-    if f"{key}.scales_and_zeros" in state_dict:
-        return Int4Linear(state_dict[f"{key}.qweight"], state_dict[f"{key}.scales_and_zeros"])
-    return RowTiledLinear(state_dict[f"{key}.weight"])
+    return Int4Linear(state_dict[f"{key}.qweight"], state_dict[f"{key}.scales_and_zeros"])
