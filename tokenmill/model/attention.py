@@ -69,35 +69,34 @@ class AttentionMetadata:
 
 
 def plan_row_batches(meta: AttentionMetadata, window: int | None, row_width: int) -> list[RowBatch]:
-    decode: list[tuple[int, torch.Tensor, int, int]] = []  # (row, slots, lo, hi) per single-row sequence
+    decode: list[tuple[int, torch.Tensor, int, int, int]] = []  # (row, slots, base, lo, end) per single-row sequence
     batches: list[RowBatch] = []
     start = 0
     for q_len, ctx_len, slots in zip(meta.query_lens, meta.context_lens, meta.kv_slots):
-        first = ctx_len - q_len  # position of the sequence's first query row
-        ends = torch.arange(first + 1, ctx_len + 1)  # each row sees the positions before its end
-        los = (ends - window).clamp(min=0) if window is not None else torch.zeros_like(ends)
-        base = int(los[0]) // CHUNK * CHUNK  # keys gathered from here, aligned so chunks sit at the same positions
+        first = ctx_len - q_len  # position of the sequence's first query row; row i sees positions before first+i+1
+        lo = max(0, first + 1 - window) if window is not None else 0  # the first row's first visible key
+        base = lo // CHUNK * CHUNK  # keys gathered from here, aligned so chunks sit at the same positions
         if q_len == 1:
-            decode.append((start, slots, base, ctx_len))
+            decode.append((start, slots, base, lo, ctx_len))
         else:
+            ends = torch.arange(first + 1, ctx_len + 1)
+            los = (ends - window).clamp(min=0) if window is not None else torch.zeros_like(ends)
             batches.extend(_prefill_batches(start, slots[base:ctx_len], los - base, ends - base, row_width))
         start += q_len
     if decode:
-        batches.append(_decode_batch(decode, window))
+        batches.append(_decode_batch(decode))
     return batches
 
 
-def _decode_batch(decode: list[tuple[int, torch.Tensor, int, int]], window: int | None) -> RowBatch:
-    width = max(_padded(hi - base) for _, _, base, hi in decode)
+def _decode_batch(decode: list[tuple[int, torch.Tensor, int, int, int]]) -> RowBatch:
+    width = max(_padded(end - base) for _, _, base, _, end in decode)
     key_slots = torch.empty(len(decode), width, dtype=torch.long)
-    lo = torch.empty(len(decode), 1, dtype=torch.long)
-    hi = torch.empty(len(decode), 1, dtype=torch.long)
-    for i, (_, slots, base, end) in enumerate(decode):
+    for i, (_, slots, base, _, end) in enumerate(decode):
         key_slots[i, : end - base] = slots[base:end]
         key_slots[i, end - base :] = slots[end - 1]
-        lo[i] = max(0, end - window) - base if window is not None else 0
-        hi[i] = end - base
-    rows = torch.tensor([row for row, _, _, _ in decode])
+    lo = torch.tensor([[lo - base] for _, _, base, lo, _ in decode])
+    hi = torch.tensor([[end - base] for _, _, base, _, end in decode])
+    rows = torch.tensor([row for row, *_ in decode])
     return RowBatch(rows, key_slots, _visibility(lo, hi, width), 1)
 
 
