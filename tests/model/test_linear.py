@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.model.linear import Int4Linear, Int8Linear, RowTiledLinear, make_linear
+from tokenmill.model import fused
+from tokenmill.model.linear import Int4Linear, Int8Linear, RowTiledLinear, TiledInt8Linear, make_linear, quantize_int8
 
 
 def weight(n: int = 96, k: int = 64, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -39,3 +40,53 @@ def test_row_tiled_linear_keeps_the_shape_of_any_input() -> None:
     x = torch.randn(2, 3, 64)
     assert layer(x).shape == (2, 3, 96)
     assert torch.allclose(layer(x), F.linear(x, weight()), atol=1e-5)
+
+
+tiled = pytest.mark.skipif(not fused.int8_matmul_available(), reason="no AVX-512 VNNI or no OpenMP: torch's kernel")
+
+
+@tiled
+@pytest.mark.parametrize(("n", "k", "rows"), [(96, 64, 1), (1000, 320, 7), (64, 32, 13), (130, 640, 16)])
+def test_tiled_int8_is_the_product_with_the_dequantised_weights(n: int, k: int, rows: int) -> None:
+    # k = 320 and 640 span several of the kernel's exact int32 chunks; n = 130 and 1000 end in a partial tile
+    w = weight(n, k, torch.bfloat16)
+    layer = TiledInt8Linear.quantize(w)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    q, scale = quantize_int8(w)
+    dequantised = q.double() * scale.double()[:, None]
+    exact = x.double() @ dequantised.T
+    got = layer(x).double()
+    # int16 activations (half a step: at most 2^-15 of a row's largest) and bf16 rounding of the output (2^-8 relative)
+    bound = 2.0**-8 * exact.abs() + k * 2.0**-15 * x.double().abs().amax(1, keepdim=True) * dequantised.abs().amax()
+    assert (got - exact).abs().le(bound).all()
+
+
+@tiled
+def test_tiled_int8_is_exact_on_small_integers() -> None:
+    # weights with a largest |w| of 127 per row quantise with scale 1; small integer activations are exact in int16
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randint(-127, 128, (200, 96), generator=gen).float()
+    w[:, 0] = 127.0
+    x = torch.randint(-2, 3, (5, 96), generator=gen).float()
+    layer = TiledInt8Linear.quantize(w.to(torch.bfloat16))
+    assert torch.equal(layer(x.to(torch.bfloat16)), (x @ w.T).to(torch.bfloat16))
+
+
+@tiled
+def test_tiled_int8_rows_with_nan_or_inf_give_nan_and_leave_the_others_alone() -> None:
+    layer = TiledInt8Linear.quantize(weight(96, 64, torch.bfloat16))
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    x[1, 3], x[2, 7] = float("nan"), float("inf")
+    x[3] = 0.0
+    out = layer(x)
+    assert out[1].isnan().all() and out[2].isnan().all()
+    assert torch.equal(out[0], layer(x[:1])[0]) and torch.equal(out[3], torch.zeros(96, dtype=torch.bfloat16))
+
+
+@tiled
+def test_tiled_and_plain_int8_embedding_rows_agree() -> None:
+    w = weight(300, 64, torch.bfloat16)
+    ids = torch.tensor([0, 63, 64, 299, 5])
+    plain, tiles = Int8Linear.quantize(w, torch.bfloat16), TiledInt8Linear.quantize(w)
+    assert torch.equal(tiles.dequantized_rows(ids).float().sign(), plain.dequantized_rows(ids).float().sign())
+    assert torch.allclose(tiles.dequantized_rows(ids).float(), plain.dequantized_rows(ids).float(), rtol=2**-7, atol=0)

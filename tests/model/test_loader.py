@@ -175,9 +175,11 @@ def test_bfloat16_start_caches_its_own_cast_and_reuses_it(tmp_path: Path) -> Non
 def test_a_quantised_start_caches_its_prepared_weights_and_the_next_start_computes_the_same(tmp_path: Path) -> None:
     from tokenmill.config import Config
     from tokenmill.engine.engine import AsyncEngine
-    from tokenmill.model.linear import Int8Embedding, Int8Linear
+    from tokenmill.model import fused
+    from tokenmill.model.linear import Int8Embedding, Int8Linear, TiledInt8Linear
 
     path = str(write_tiny_gguf(tmp_path / "tiny.gguf"))
+    head_kind, head_key = (TiledInt8Linear, "tiles") if fused.int8_matmul_available() else (Int8Linear, "qweight")
     config = Config(model=path, cache_dir=str(tmp_path), dtype="bfloat16", quantization="int8")
     ids = torch.tensor([2, 17, 5, 99, 42])
 
@@ -185,14 +187,14 @@ def test_a_quantised_start_caches_its_prepared_weights_and_the_next_start_comput
         return engine.run_in_engine_thread(lambda: engine.core.runner.model.forward_dense(ids))
 
     first = AsyncEngine.from_config(config)
-    (prepared,) = tmp_path.glob("gguf-*/prepared-v*.bfloat16-int8.safetensors")
+    (prepared,) = tmp_path.glob("gguf-*/prepared-v*.bfloat16-int8-*.safetensors")
     assert not load_model_files(path, str(tmp_path), torch.bfloat16).prepared  # other modes keep their own files
     reloaded = load_model_files(path, str(tmp_path), torch.bfloat16, "int8")
-    assert reloaded.prepared and "lm_head.qweight" in reloaded.state_dict
+    assert reloaded.prepared and f"lm_head.{head_key}" in reloaded.state_dict
     assert "model.embed_tokens.weight" not in reloaded.state_dict  # lookups read the int8 head
     second = AsyncEngine.from_config(config)
     model = second.core.runner.model
-    assert isinstance(model.lm_head, Int8Linear) and isinstance(model.model.embed_tokens, Int8Embedding)
+    assert isinstance(model.lm_head, head_kind) and isinstance(model.model.embed_tokens, Int8Embedding)
     assert torch.equal(logits(first), logits(second))
     assert prepared.stat().st_size < 0.6 * next(tmp_path.glob("gguf-*/model.bfloat16.safetensors")).stat().st_size
 

@@ -1,13 +1,14 @@
 """The engine's linear layers: weight-only quantised for fast CPU decode, or row-padded for fp32 batch invariance.
 
 A decode step reads every weight once per token, so on a memory-bound CPU the step time follows the weights' bytes:
-int8 halves bf16's. Activations stay in the compute dtype and torch's own CPU kernels do the matmul
-(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`); quantising changes logits, so the unquantised modes stay for
+int8 halves bf16's. With bf16 activations on a CPU with AVX-512 VNNI, int8 layers run our own kernel
+(TiledInt8Linear, int8_matmul.c: ~1.5-1.9x torch's); otherwise torch's CPU kernels do the matmul
+(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`). Quantising changes logits, so the unquantised modes stay for
 scoring.
 
 Batch invariance: a row's result must not depend on how many other rows share the matmul, or a request's text would
-depend on the load. bf16 (oneDNN) and the int8/int4 kernels give the same row results for every batch size; fp32
-(MKL) computes rows in tiles of 4 and a partial tile with another kernel, so fp32 pads the rows to a multiple of 4.
+depend on the load. bf16 (oneDNN), torch's int8/int4 kernels and ours give the same row results for every batch size;
+fp32 (MKL) computes rows in tiles of 4 and a partial tile with another kernel, so fp32 pads the rows to a multiple of 4.
 """
 
 from __future__ import annotations
@@ -17,10 +18,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.config import QUANTIZATIONS
+from tokenmill.model import fused
 
 INT4_GROUP = 32  # GGUF's quantisation blocks are 32 wide too
 FP32_ROW_TILE = 4
-QUANT_CHUNK_ROWS = 8192
+QUANT_CHUNK_ROWS = 8192  # a multiple of INT8_TILE
+INT8_TILE = 64  # int8_matmul.c's output columns per tile
+INT8_TILED_K = 32  # its input width must be a multiple of this
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) → symmetric per-output-row int8 (N, K) and float32 scales (N,): w ≈ q * scale."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
 
 
 class Int8Linear(nn.Module):
@@ -37,15 +48,54 @@ class Int8Linear(nn.Module):
         qweight = torch.empty(weight.shape, dtype=torch.int8)  # (N, K)
         scale = torch.empty(weight.shape[0])  # (N,)
         for lo in range(0, weight.shape[0], QUANT_CHUNK_ROWS):  # in slices: no float32 copy of a 262k-row head
-            w = weight[lo : lo + QUANT_CHUNK_ROWS].float()
-            scale[lo : lo + len(w)] = s = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-            qweight[lo : lo + len(w)] = torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8)
+            qweight[lo : lo + QUANT_CHUNK_ROWS], scale[lo : lo + QUANT_CHUNK_ROWS] = quantize_int8(
+                weight[lo : lo + QUANT_CHUNK_ROWS]
+            )
         return cls(qweight, scale.to(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         out = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]), self.qweight, self.scale)
         return out.reshape(*shape[:-1], self.out_features)
+
+    def dequantized_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.qweight[ids].to(self.scale.dtype) * self.scale[ids, None]
+
+
+class TiledInt8Linear(nn.Module):
+    """The same int8 weights in int8_matmul.c's tile layout, multiplied by that kernel (bf16 activations only)."""
+
+    def __init__(self, tiles: torch.Tensor, scale: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("tiles", tiles)  # (ceil(N / 64), K / 2, 64, 2) int8, see int8_matmul.c
+        self.register_buffer("scale", scale)  # (N,) float32
+        self.out_features = scale.shape[0]
+
+    @staticmethod
+    def fits(weight: torch.Tensor) -> bool:
+        return weight.dtype == torch.bfloat16 and weight.shape[1] % INT8_TILED_K == 0 and fused.int8_matmul_available()
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> TiledInt8Linear:
+        n, k = weight.shape
+        tiles = torch.zeros(-(-n // INT8_TILE), k // 2, INT8_TILE, 2, dtype=torch.int8)
+        scale = torch.empty(n)
+        for lo in range(0, n, QUANT_CHUNK_ROWS):  # in slices: no float32 or untiled copy of a 262k-row head
+            q, scale[lo : lo + QUANT_CHUNK_ROWS] = quantize_int8(weight[lo : lo + QUANT_CHUNK_ROWS])
+            if len(q) % INT8_TILE:  # the last tile's missing columns are zero weights
+                q = torch.cat([q, q.new_zeros(INT8_TILE - len(q) % INT8_TILE, k)])
+            first = lo // INT8_TILE
+            tiles[first : first + len(q) // INT8_TILE] = q.view(-1, INT8_TILE, k // 2, 2).permute(0, 2, 1, 3)
+        return cls(tiles, scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        out = fused.int8_matmul(x.reshape(-1, shape[-1]), self.tiles, self.scale, self.out_features)
+        return out.reshape(*shape[:-1], self.out_features)
+
+    def dequantized_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        q = self.tiles[ids // INT8_TILE, :, ids % INT8_TILE, :].reshape(len(ids), -1)  # (len(ids), K)
+        return (q.float() * self.scale[ids, None]).to(torch.bfloat16)
 
 
 class Int8Embedding(nn.Module):
@@ -55,13 +105,13 @@ class Int8Embedding(nn.Module):
     Effect on scoring (bench/scoring_drift.py): mean |Δ logprob| vs float32 0.079 → 0.087 nats per token.
     """
 
-    def __init__(self, head: Int8Linear) -> None:
+    def __init__(self, head: Int8Linear | TiledInt8Linear) -> None:
         super().__init__()
         self._head = [head]  # in a list: not a submodule, so its tensors are not registered twice
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        head = self._head[0]
-        return head.qweight[ids].to(head.scale.dtype) * head.scale[ids, None]
+        flat = ids.reshape(-1)
+        return self._head[0].dequantized_rows(flat).reshape(*ids.shape, -1)
 
 
 class Int4Linear(nn.Module):
@@ -110,6 +160,8 @@ class RowTiledLinear(nn.Module):
 def make_linear(weight: torch.Tensor, quantization: str) -> nn.Module:
     if quantization == "int4" and weight.shape[1] % INT4_GROUP == 0:
         return Int4Linear.quantize(weight, weight.dtype)
+    if quantization == "int8" and TiledInt8Linear.fits(weight):
+        return TiledInt8Linear.quantize(weight)
     if quantization in ("int8", "int4"):  # int4 needs whole groups along the input dim; int8 otherwise
         return Int8Linear.quantize(weight, weight.dtype)
     if quantization == "none":
@@ -140,20 +192,32 @@ def adopt_prepared(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> Non
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             key = f"{parent_name}.{name}" if parent_name else name
-            if isinstance(child, nn.Linear) and f"{key}.qweight" in state_dict:
+            if isinstance(child, nn.Linear) and _is_prepared(key, state_dict):
                 setattr(parent, name, _prepared_linear(key, state_dict))
-    if getattr(model, "lm_head", None) is None and "lm_head.qweight" in state_dict:  # a tied head, quantised
+    if getattr(model, "lm_head", None) is None and _is_prepared("lm_head", state_dict):  # a tied head, quantised
         model.lm_head = _prepared_linear("lm_head", state_dict)
         _look_up_in_int8_head(model)
 
 
 def _look_up_in_int8_head(model: nn.Module) -> None:
     """A tied int8 head also serves the embedding lookups; the full-precision table goes."""
-    if isinstance(model.lm_head, Int8Linear):
+    if isinstance(model.lm_head, Int8Linear | TiledInt8Linear):
         model.model.embed_tokens = Int8Embedding(model.lm_head)
 
 
+def prepared_layout(dtype: torch.dtype, quantization: str) -> str:
+    """Names the layout prepare_linears gives int8 weights here, for the prepared-weights cache file's name."""
+    tiled = quantization == "int8" and dtype == torch.bfloat16 and fused.int8_matmul_available()
+    return "tiled" if tiled else "plain"
+
+
+def _is_prepared(key: str, state_dict: dict[str, torch.Tensor]) -> bool:
+    return f"{key}.qweight" in state_dict or f"{key}.tiles" in state_dict
+
+
 def _prepared_linear(key: str, state_dict: dict[str, torch.Tensor]) -> nn.Module:
+    if f"{key}.tiles" in state_dict:
+        return TiledInt8Linear(state_dict[f"{key}.tiles"], state_dict[f"{key}.scale"])
     if f"{key}.scale" in state_dict:
         return Int8Linear(state_dict[f"{key}.qweight"], state_dict[f"{key}.scale"])
     return Int4Linear(state_dict[f"{key}.qweight"], state_dict[f"{key}.scales_and_zeros"])

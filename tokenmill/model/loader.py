@@ -31,12 +31,13 @@ from safetensors.torch import load_file, save_file
 from tokenmill.config import DEFAULT_MODEL_NAME
 from tokenmill.memory import release_freed_memory
 from tokenmill.model.hf_dir import read_hf_config, read_hf_state_dict
+from tokenmill.model.linear import prepared_layout
 from tokenmill.model.model_config import ModelConfig
 from tokenmill.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 CACHE_VERSION = 1  # bump when the conversion changes, so stale caches are not reused
-PREPARED_VERSION = 1  # bump when the engine's prepared (stacked, quantised) layout changes
+PREPARED_VERSION = 2  # bump when the engine's prepared (stacked, quantised) layout changes
 WEIGHTS_FILE, CONFIG_FILE, SOURCE_FILE = "model.safetensors", "model_config.json", "source.json"
 _HF_IDENTITY_FILES = (
     "config.json",
@@ -60,7 +61,8 @@ class LoadedWeights:
 
 def prepared_file(entry: Path, dtype: torch.dtype, quantization: str) -> Path:
     """Where a cache entry keeps the weights as the engine runs them, so a later start skips quantising them."""
-    return entry / f"prepared-v{PREPARED_VERSION}.{str(dtype).removeprefix('torch.')}-{quantization}.safetensors"
+    name = f"{str(dtype).removeprefix('torch.')}-{quantization}-{prepared_layout(dtype, quantization)}"
+    return entry / f"prepared-v{PREPARED_VERSION}.{name}.safetensors"
 
 
 def save_weights_atomically(state_dict: dict[str, torch.Tensor], path: Path) -> None:
