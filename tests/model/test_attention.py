@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tokenmill.model import fused
 from tokenmill.model.attention import CHUNK, AttentionMetadata, paged_attention
 
 HQ, HKV, D = 4, 1, 32
@@ -38,9 +39,23 @@ def _run(
     return paged_attention(q, k_cache[slot_mapping], v_cache[slot_mapping], (k_cache, v_cache), meta, SCALE, window)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("window", [None, 40])
-def test_rows_are_right_and_identical_alone_batched_and_in_prefill(dtype: torch.dtype, window: int | None) -> None:
+@pytest.fixture(params=["c", "torch"])
+def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """bf16 attention runs the C kernel where it compiled (paged_attention.c); the torch path must hold up too."""
+    if request.param == "c" and not fused.paged_attention_available():
+        pytest.skip("no AVX-512 or OpenMP: the torch path is the only path")
+    if request.param == "torch":
+        monkeypatch.setattr(fused, "paged_attention_available", lambda: False)
+    return request.param
+
+
+@pytest.mark.parametrize(("dtype", "window"), [(torch.float32, None), (torch.float32, 40), (torch.bfloat16, None),
+                                               (torch.bfloat16, 40)])
+def test_rows_are_right_and_identical_alone_batched_and_in_prefill(
+    dtype: torch.dtype, window: int | None, kernel: str
+) -> None:
+    if dtype == torch.float32 and kernel == "c":
+        pytest.skip("float32 always takes the torch path")
     cache = _cache(4096, dtype)
     gen = torch.Generator().manual_seed(2)
     perm = torch.randperm(4096, generator=gen)  # scattered slots, as a paged cache gives them
@@ -91,3 +106,26 @@ def test_long_prefill_is_split_into_row_slices_with_the_same_bits(monkeypatch: p
     monkeypatch.setattr("tokenmill.model.attention.PREFILL_BYTES", 1)  # one row per call
     sliced = _run(cache, [(slots, 300)], q, None)
     assert torch.equal(whole, sliced)
+
+
+@pytest.mark.skipif(not fused.paged_attention_available(), reason="no AVX-512 or OpenMP: the torch path only")
+@pytest.mark.parametrize("window", [None, 100])
+def test_c_kernel_matches_float64_softmax_with_grouped_heads_at_the_real_head_size(window: int | None) -> None:
+    hq, hkv, d = 8, 2, 256  # two KV heads, each shared by four query heads
+    gen = torch.Generator().manual_seed(4)
+    k_cache = torch.randn(2048, hkv, d, generator=gen).to(torch.bfloat16)
+    v_cache = torch.randn(2048, hkv, d, generator=gen).to(torch.bfloat16)
+    slots = torch.randperm(2048, generator=gen)[:300]
+    q = (torch.randn(300, hq, d, generator=gen) * 0.2).to(torch.bfloat16)
+    meta = AttentionMetadata(slot_mapping=slots, query_lens=[300], context_lens=[300], kv_slots=[slots])
+    scale = d**-0.5
+    got = paged_attention(q, k_cache[slots], v_cache[slots], (k_cache, v_cache), meta, scale, window).double()
+    keys, values = k_cache[slots].double(), v_cache[slots].double()  # (L, Hkv, D)
+    for end in (1, 2, 17, 150, 300):
+        lo = max(0, end - window) if window else 0
+        for h in range(hq):
+            kv = h // (hq // hkv)
+            weights = F.softmax(q[end - 1, h].double() @ keys[lo:end, kv].T * scale, dim=-1)
+            expected = weights @ values[lo:end, kv]
+            # float32 arithmetic, then the output rounded to bf16 (2^-8 relative)
+            assert (got[end - 1, h] - expected).abs().le(2.0**-8 * expected.abs() + 1e-4).all(), (end, h)

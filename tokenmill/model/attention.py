@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.model import fused
+
 CHUNK = 64  # keys per chunk
 ROW_TILE = 4  # fp32 matmuls compute rows in tiles of 4 and a partial tile with another kernel: pad to whole tiles
 PREFILL_BYTES = 64 << 20  # bound on one prefill call's partial outputs; longer prompts are split into row slices
@@ -60,12 +62,42 @@ class AttentionMetadata:
     context_lens: list[int]
     kv_slots: list[torch.Tensor]  # per sequence (context_len,)
     _plans: dict[int | None, list[RowBatch]] = field(default_factory=dict, repr=False)
+    _key_lists: dict[int | None, KeyLists] = field(default_factory=dict, repr=False)
+
+    def key_lists(self, window: int | None) -> KeyLists:
+        """Each query row's visible keys as a slice of one flat slot list (the C kernel's input), per window."""
+        if window not in self._key_lists:
+            self._key_lists[window] = plan_key_lists(self, window)
+        return self._key_lists[window]
 
     def row_batches(self, window: int | None, row_width: int) -> list[RowBatch]:
         """row_width: query heads × head_dim, which bounds the size of a prefill call's partial outputs."""
         if window not in self._plans:
             self._plans[window] = plan_row_batches(self, window, row_width)
         return self._plans[window]
+
+
+@dataclass
+class KeyLists:
+    """Row r of the step sees the cache slots slots[offset[r] : offset[r] + count[r]], in position order."""
+
+    slots: torch.Tensor  # (sum of context lengths,) every sequence's slots, sequence after sequence
+    offset: torch.Tensor  # (T,)
+    count: torch.Tensor  # (T,)
+
+
+def plan_key_lists(meta: AttentionMetadata, window: int | None) -> KeyLists:
+    offset: list[int] = []
+    count: list[int] = []
+    base = 0
+    for q_len, ctx_len in zip(meta.query_lens, meta.context_lens):
+        for end in range(ctx_len - q_len + 1, ctx_len + 1):  # the row at position end - 1 sees [lo, end)
+            lo = max(0, end - window) if window is not None else 0
+            offset.append(base + lo)
+            count.append(end - lo)
+        base += ctx_len
+    slots = meta.kv_slots[0] if len(meta.kv_slots) == 1 else torch.cat(meta.kv_slots)
+    return KeyLists(slots, torch.tensor(offset), torch.tensor(count))
 
 
 def plan_row_batches(meta: AttentionMetadata, window: int | None, row_width: int) -> list[RowBatch]:
@@ -141,6 +173,9 @@ def paged_attention(
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     t, hq, d = q.shape
+    if fused.usable(q) and d % 16 == 0 and d <= fused.MAX_ATTENTION_HEAD_DIM and fused.paged_attention_available():
+        keys = meta.key_lists(window)
+        return fused.paged_attention(q, k_cache, v_cache, keys.slots, keys.offset, keys.count, scale)
     batches = meta.row_batches(window, hq * d)
     if len(batches) == 1 and len(batches[0].rows) == t:  # one batch holds every row, in order (a pure decode step)
         return _attend(q, k_cache, v_cache, batches[0], scale).reshape(t, hq, d).to(q.dtype)

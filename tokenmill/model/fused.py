@@ -5,11 +5,13 @@ Why: a decode step on this model runs ~2,000 eager torch ops, most on a few hund
 third of a single-stream step. The norms, the q/k norm + rotary, the residual adds and the gated GELU take one call
 each instead of five to fifteen ops. torch has no CPU fusion for them short of torch.compile, whose compile time
 would exceed our whole start-up. (The gated GELU stays in torch: its vectorised tanh beats a scalar C loop.)
-The int8 matmul beats torch's weight-only int8 kernel 1.5-1.9x (see its header).
+The int8 matmul beats torch's weight-only int8 kernel 1.5-1.9x (see its header); attention over the paged cache
+(paged_attention.c) is one call per layer instead of ~40 ops.
 
 The sources are compiled on first use with the system C compiler (~1 s) and cached by source hash and CPU; without a
 compiler, or for other dtypes than bfloat16, `library()` is None and the model runs the same arithmetic in torch ops.
-Without AVX-512 VNNI or OpenMP, `int8_matmul_available()` is False and int8 layers keep torch's kernel.
+Without AVX-512 VNNI or OpenMP, `int8_matmul_available()` is False and int8 layers keep torch's kernel; without
+AVX-512 or OpenMP, `paged_attention_available()` is False and attention keeps its torch path.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import platformdirs
 import torch
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name("fused.c"), Path(__file__).with_name("int8_matmul.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("fused.c", "int8_matmul.c", "paged_attention.c")]
 MAX_HEAD_DIM = 1024  # norm_rotary's stack buffer
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
@@ -38,8 +40,11 @@ _SIGNATURES = {
     "norm_rotary": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _F32],
     "int8_matmul": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, ctypes.c_int],
     "int8_matmul_available": [],
+    "paged_attention": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _F32, _PTR, ctypes.c_int],
+    "paged_attention_available": [],
 }
-_RETURNS_INT = {"int8_matmul", "int8_matmul_available"}
+_RETURNS_INT = {"int8_matmul", "int8_matmul_available", "paged_attention", "paged_attention_available"}
+MAX_ATTENTION_HEAD_DIM = 512  # paged_attention.c's register tile
 
 
 @cache
@@ -101,6 +106,13 @@ def int8_matmul_available() -> bool:
     return lib is not None and lib.int8_matmul_available() == 1
 
 
+@cache
+def paged_attention_available() -> bool:
+    """AVX-512 and OpenMP were there when the kernels were compiled (see paged_attention.c)."""
+    lib = library()
+    return lib is not None and lib.paged_attention_available() == 1
+
+
 def usable(x: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16 and x.device.type == "cpu" and library() is not None
 
@@ -145,4 +157,18 @@ def int8_matmul(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, n: in
     if m and library().int8_matmul(x.data_ptr(), m, k, tiles.data_ptr(), scale.data_ptr(), n, out.data_ptr(),
                                    torch.get_num_threads()):
         raise MemoryError(f"int8_matmul: no memory for a ({m}, {k}) int16 scratch")
+    return out
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                    offset: torch.Tensor, count: torch.Tensor, scale: float) -> torch.Tensor:
+    """q (T, Hq, D) bf16; caches (slots, Hkv, D) bf16; row r attends to slots[offset[r] : offset[r] + count[r]]."""
+    t, hq, d = q.shape
+    if q.stride(2) != 1 or q.stride(1) != d:
+        q = q.contiguous()
+    out = torch.empty(t, hq, d, dtype=torch.bfloat16)
+    if t and library().paged_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                       slots.data_ptr(), offset.data_ptr(), count.data_ptr(), t, hq,
+                                       k_cache.shape[1], d, scale, out.data_ptr(), torch.get_num_threads()):
+        raise ValueError(f"paged_attention: head_dim {d} unsupported or no memory for the scores")
     return out

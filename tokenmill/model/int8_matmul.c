@@ -26,9 +26,9 @@
 #include <math.h>
 #include <omp.h>
 
-#define BLOCKS 4              /* 16-column blocks per tile */
+#define BLOCKS 4              /* 16-column blocks per tile (tile_sums names them: 0-3) */
 #define TILE (BLOCKS * 16)    /* output columns per tile */
-#define ROWS 6                /* rows per register tile: ROWS * BLOCKS accumulators + BLOCKS weights + 1 */
+#define ROWS 6                /* rows per register tile (tile_sums names them: 0-5): 24 accumulators + 4 weights + 1 */
 #define CHUNK_PAIRS 128       /* input pairs summed exactly in int32 before going to float32 */
 
 int int8_matmul_available(void) { return 1; }
@@ -77,36 +77,56 @@ static void quantize_row(const uint16_t *row, int64_t k, int16_t *q, float *scal
     *scale = s;
 }
 
+/* acc += pairwise int16 dot products of x and w (vpdpwssd). In inline assembly because gcc 12's pattern for the
+ * intrinsic keeps the accumulator in zmm0-15 and moved every accumulator in and out of those on each use. */
+static inline __m512i dot_pairs(__m512i acc, __m512i x, __m512i w) {
+    __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w));
+    return acc;
+}
+
 static inline __m512i widen(const int8_t *p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p)); }
 
-/* Rows [0, R) of q against one tile -> float32 sums[R][TILE]. R is a constant in each inlined copy. */
+static inline void add_to(float *total, __m512i acc) {
+    _mm512_storeu_ps(total, _mm512_add_ps(_mm512_loadu_ps(total), _mm512_cvtepi32_ps(acc)));
+}
+
+/* Rows [0, R) of q against one tile -> float32 sums[R][TILE]. R is a constant in each inlined copy, and the
+ * ROWS x BLOCKS accumulators are named variables (as arrays, gcc kept them on the stack); the float32 totals stay in
+ * memory, as registers beside the accumulators they would spill those instead. */
+#define ACCUMULATORS(r) __m512i a##r##0 = zero, a##r##1 = zero, a##r##2 = zero, a##r##3 = zero;
+#define ROW_DOT(r)                                                                                                  \
+    if (R > r) {                                                                                                    \
+        int32_t pair;                                                                                               \
+        memcpy(&pair, q + r * k + 2 * p, sizeof pair);                                                              \
+        __m512i x = _mm512_set1_epi32(pair);                                                                        \
+        a##r##0 = dot_pairs(a##r##0, x, w0);                                                              \
+        a##r##1 = dot_pairs(a##r##1, x, w1);                                                              \
+        a##r##2 = dot_pairs(a##r##2, x, w2);                                                              \
+        a##r##3 = dot_pairs(a##r##3, x, w3);                                                              \
+    }
+#define ROW_FLUSH(r)                                                                                                \
+    if (R > r) {                                                                                                    \
+        add_to(sums + r * TILE, a##r##0);                                                                           \
+        add_to(sums + r * TILE + 16, a##r##1);                                                                      \
+        add_to(sums + r * TILE + 32, a##r##2);                                                                      \
+        add_to(sums + r * TILE + 48, a##r##3);                                                                      \
+    }
+
 static inline __attribute__((always_inline)) void tile_sums(const int16_t *q, int64_t k, const int8_t *w,
                                                             float *sums, const int R) {
     int64_t pairs = k / 2;
-    __m512 total[ROWS][BLOCKS];
-    for (int r = 0; r < R; r++)
-        for (int b = 0; b < BLOCKS; b++) total[r][b] = _mm512_setzero_ps();
+    memset(sums, 0, sizeof(float) * R * TILE);
     for (int64_t p0 = 0; p0 < pairs; p0 += CHUNK_PAIRS) {
         int64_t p1 = p0 + CHUNK_PAIRS < pairs ? p0 + CHUNK_PAIRS : pairs;
-        __m512i acc[ROWS][BLOCKS];
-        for (int r = 0; r < R; r++)
-            for (int b = 0; b < BLOCKS; b++) acc[r][b] = _mm512_setzero_si512();
+        const __m512i zero = _mm512_setzero_si512();
+        ACCUMULATORS(0) ACCUMULATORS(1) ACCUMULATORS(2) ACCUMULATORS(3) ACCUMULATORS(4) ACCUMULATORS(5)
         for (int64_t p = p0; p < p1; p++) {
             const int8_t *wp = w + p * 2 * TILE;
-            __m512i wv[BLOCKS];
-            for (int b = 0; b < BLOCKS; b++) wv[b] = widen(wp + 32 * b);
-            for (int r = 0; r < R; r++) {
-                int32_t pair;
-                memcpy(&pair, q + r * k + 2 * p, sizeof pair);
-                __m512i a = _mm512_set1_epi32(pair);
-                for (int b = 0; b < BLOCKS; b++) acc[r][b] = _mm512_dpwssd_epi32(acc[r][b], a, wv[b]);
-            }
+            __m512i w0 = widen(wp), w1 = widen(wp + 32), w2 = widen(wp + 64), w3 = widen(wp + 96);
+            ROW_DOT(0) ROW_DOT(1) ROW_DOT(2) ROW_DOT(3) ROW_DOT(4) ROW_DOT(5)
         }
-        for (int r = 0; r < R; r++)
-            for (int b = 0; b < BLOCKS; b++) total[r][b] = _mm512_add_ps(total[r][b], _mm512_cvtepi32_ps(acc[r][b]));
+        ROW_FLUSH(0) ROW_FLUSH(1) ROW_FLUSH(2) ROW_FLUSH(3) ROW_FLUSH(4) ROW_FLUSH(5)
     }
-    for (int r = 0; r < R; r++)
-        for (int b = 0; b < BLOCKS; b++) _mm512_storeu_ps(sums + r * TILE + b * 16, total[r][b]);
 }
 
 /* x (M, K) bf16, tiles as above, scale (N,) float32 -> out (M, N) bf16. K % 32 == 0. Returns 0, or -1
