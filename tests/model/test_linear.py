@@ -5,7 +5,15 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.model import fused
-from tokenmill.model.linear import Int4Linear, Int8Linear, RowTiledLinear, TiledInt8Linear, make_linear, quantize_int8
+from tokenmill.model.linear import (
+    Int4Linear,
+    Int8Linear,
+    RowTiledLinear,
+    TiledInt8Linear,
+    float32_product,
+    make_linear,
+    quantize_int8,
+)
 
 
 def weight(n: int = 96, k: int = 64, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -90,3 +98,13 @@ def test_tiled_and_plain_int8_embedding_rows_agree() -> None:
     plain, tiles = Int8Linear.quantize(w, torch.bfloat16), TiledInt8Linear.quantize(w)
     assert torch.equal(tiles.dequantized_rows(ids).float().sign(), plain.dequantized_rows(ids).float().sign())
     assert torch.allclose(tiles.dequantized_rows(ids).float(), plain.dequantized_rows(ids).float(), rtol=2**-7, atol=0)
+
+
+@tiled
+def test_tiled_int8_float32_output_is_the_unrounded_bf16_output() -> None:
+    layer = TiledInt8Linear.quantize(weight(130, 640, torch.bfloat16))
+    x = torch.randn(9, 640).to(torch.bfloat16)
+    full = layer(x, out_dtype=torch.float32)
+    assert full.dtype == torch.float32 and torch.equal(full.to(torch.bfloat16), layer(x))
+    assert not torch.equal(full, full.to(torch.bfloat16).float())  # really unrounded
+    assert torch.equal(float32_product(layer, x), full)

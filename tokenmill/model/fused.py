@@ -38,7 +38,7 @@ _SIGNATURES = {
     "rms_norm": [_PTR, _I64, _PTR, _PTR, _I64, _I64, _F32],
     "add_rms_norm": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32],
     "norm_rotary": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _F32],
-    "int8_matmul": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, ctypes.c_int],
+    "int8_matmul": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, ctypes.c_int, ctypes.c_int],
     "int8_matmul_available": [],
     "paged_attention": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _F32, _PTR, ctypes.c_int],
     "paged_attention_available": [],
@@ -149,13 +149,16 @@ def norm_rotary(x: torch.Tensor, factor: torch.Tensor, cos: torch.Tensor, signed
     return out
 
 
-def int8_matmul(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:
-    """x: (M, K) bf16 @ the (N, K) int8 weights laid out in `tiles` (see int8_matmul.c) * scale → (M, N) bf16."""
+def int8_matmul(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, n: int,
+                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x: (M, K) bf16 @ the (N, K) int8 weights laid out in `tiles` (see int8_matmul.c) * scale → (M, N) bf16 or
+    float32 (`out_dtype`)."""
     x = x.contiguous()
     m, k = x.shape
-    out = torch.empty(m, n, dtype=torch.bfloat16)
+    out = torch.empty(m, n, dtype=out_dtype)
+    float_out = int(out_dtype == torch.float32)
     if m and library().int8_matmul(x.data_ptr(), m, k, tiles.data_ptr(), scale.data_ptr(), n, out.data_ptr(),
-                                   torch.get_num_threads()):
+                                   float_out, torch.get_num_threads()):
         raise MemoryError(f"int8_matmul: no memory for a ({m}, {k}) int16 scratch")
     return out
 

@@ -15,6 +15,7 @@ from torch import nn
 from tokenmill.model.attention import AttentionMetadata, paged_attention
 from tokenmill.model.dense import dense_metadata, empty_kv_caches
 from tokenmill.model.layers import RMSNorm, Rotary, gelu_mul, norm_rotary
+from tokenmill.model.linear import float32_product
 from tokenmill.model.model_config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -126,8 +127,9 @@ class Gemma3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (N, H) → float32 logits (N, V)."""
-        logits = self.lm_head(hidden) if self.lm_head is not None else F.linear(hidden, self.lm_head_weight)
-        return logits.float()
+        if self.lm_head is not None:
+            return float32_product(self.lm_head, hidden)
+        return F.linear(hidden, self.lm_head_weight).float()
 
     @torch.inference_mode()
     def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:

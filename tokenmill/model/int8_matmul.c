@@ -1,4 +1,5 @@
-/* Weight-only int8 matmul for bfloat16 activations: out (M, N) = x (M, K) @ (q (N, K) * scale (N,))^T, in bf16.
+/* Weight-only int8 matmul for bfloat16 activations: out (M, N) = x (M, K) @ (q (N, K) * scale (N,))^T, in bf16 (or
+ * float32, for logits: no rounding and no conversion pass).
  *
  * Why not torch's `_weight_int8pack_mm`: at 16 rows it converts every weight to float and reaches ~120 G MAC/s on
  * this 2-core machine, and the LM head (262,144 x 640) alone took half of a 16-sequence decode step. Here each row of
@@ -129,10 +130,11 @@ static inline __attribute__((always_inline)) void tile_sums(const int16_t *q, in
     }
 }
 
-/* x (M, K) bf16, tiles as above, scale (N,) float32 -> out (M, N) bf16. K % 32 == 0. Returns 0, or -1
+/* x (M, K) bf16, tiles as above, scale (N,) float32 -> out (M, N) bf16, or float32 if float_out. K % 32 == 0.
+ * Returns 0, or -1
  * when the int16 scratch cannot be allocated. */
 int int8_matmul(const uint16_t *x, int64_t m, int64_t k, const int8_t *tiles, const float *scale, int64_t n,
-                uint16_t *out, int threads) {
+                void *out, int float_out, int threads) {
     int16_t *q = malloc((size_t)(m * k) * sizeof *q + 64);
     float *row_scale = malloc((size_t)m * sizeof *row_scale + 64);
     if (q == NULL || row_scale == NULL) {
@@ -162,14 +164,15 @@ int int8_matmul(const uint16_t *x, int64_t m, int64_t k, const int8_t *tiles, co
                     default: tile_sums(qr, k, w, sums, 6); break;
                 }
                 for (int r = 0; r < rows; r++) {
-                    uint16_t *o = out + (r0 + r) * n + t * TILE;
+                    int64_t at = (r0 + r) * n + t * TILE;
                     __m512 rs = _mm512_set1_ps(row_scale[r0 + r]);
                     for (int b = 0; b < BLOCKS && b * 16 < cols; b++) {
                         int64_t left = cols - b * 16;
                         __mmask16 live = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
                         __m512 w_scale = _mm512_maskz_loadu_ps(live, scale + t * TILE + b * 16);
                         __m512 v = _mm512_mul_ps(_mm512_loadu_ps(sums + r * TILE + b * 16), _mm512_mul_ps(rs, w_scale));
-                        _mm256_mask_storeu_epi16(o + b * 16, live, to_bf16(v));
+                        if (float_out) _mm512_mask_storeu_ps((float *)out + at + b * 16, live, v);
+                        else _mm256_mask_storeu_epi16((uint16_t *)out + at + b * 16, live, to_bf16(v));
                     }
                 }
             }
@@ -183,8 +186,8 @@ int int8_matmul(const uint16_t *x, int64_t m, int64_t k, const int8_t *tiles, co
 #else /* no AVX-512 VNNI or no OpenMP: linear.py keeps torch's int8 kernel */
 int int8_matmul_available(void) { return 0; }
 int int8_matmul(const uint16_t *x, int64_t m, int64_t k, const int8_t *tiles, const float *scale, int64_t n,
-                uint16_t *out, int threads) {
-    (void)x, (void)m, (void)k, (void)tiles, (void)scale, (void)n, (void)out, (void)threads;
+                void *out, int float_out, int threads) {
+    (void)x, (void)m, (void)k, (void)tiles, (void)scale, (void)n, (void)out, (void)float_out, (void)threads;
     return -1;
 }
 #endif

@@ -88,9 +88,9 @@ class TiledInt8Linear(nn.Module):
             tiles[first : first + len(q) // INT8_TILE] = q.view(-1, INT8_TILE, k // 2, 2).permute(0, 2, 1, 3)
         return cls(tiles, scale)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         shape = x.shape
-        out = fused.int8_matmul(x.reshape(-1, shape[-1]), self.tiles, self.scale, self.out_features)
+        out = fused.int8_matmul(x.reshape(-1, shape[-1]), self.tiles, self.scale, self.out_features, out_dtype)
         return out.reshape(*shape[:-1], self.out_features)
 
     def dequantized_rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -155,6 +155,13 @@ class RowTiledLinear(nn.Module):
         if n % FP32_ROW_TILE:
             rows = torch.cat([rows, rows.new_zeros(FP32_ROW_TILE - n % FP32_ROW_TILE, shape[-1])])
         return F.linear(rows, self.weight)[:n].reshape(*shape[:-1], self.weight.shape[0])
+
+
+def float32_product(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """layer(x) in float32 (logits): TiledInt8Linear writes float32 itself, unrounded; others' outputs are cast."""
+    if isinstance(layer, TiledInt8Linear):
+        return layer(x, out_dtype=torch.float32)
+    return layer(x).float()
 
 
 def make_linear(weight: torch.Tensor, quantization: str) -> nn.Module:
