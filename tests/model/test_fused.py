@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -71,3 +74,20 @@ def test_without_a_compiler_the_torch_path_computes_the_same_layer(monkeypatch: 
     without = (norm(x), gelu_mul(torch.cat([x, x], dim=-1)))
     assert _ulps(with_kernels[0], without[0]) <= 1
     torch.testing.assert_close(with_kernels[1].float(), without[1].float(), rtol=1e-2, atol=1e-2)
+
+
+def test_a_compiler_without_openmp_still_builds_the_norms_and_says_the_threaded_kernels_are_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ctypes
+    import shutil
+
+    real = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    wrapper = tmp_path / "cc-without-openmp"
+    wrapper.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && exit 1; done\nexec {real} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    lib = ctypes.CDLL(str(fused._compiled()))
+    assert lib.int8_matmul_available() == 0 and lib.paged_attention_available() == 0
+    assert lib.rms_norm  # the norms are there
