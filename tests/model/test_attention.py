@@ -39,23 +39,32 @@ def _run(
     return paged_attention(q, k_cache[slot_mapping], v_cache[slot_mapping], (k_cache, v_cache), meta, SCALE, window)
 
 
-@pytest.fixture(params=["c", "torch"])
-def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """bf16 attention runs the C kernel where it compiled (paged_attention.c); the torch path must hold up too."""
-    if request.param == "c" and not fused.paged_attention_available():
+def _use(kernel: str, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """bf16 attention runs the C kernel where it compiled (paged_attention.c); the torch path must hold up too.
+    Returns a list that grows by one per C kernel call."""
+    calls: list[int] = []
+    if kernel == "c" and not fused.paged_attention_available():
         pytest.skip("no AVX-512 or OpenMP: the torch path is the only path")
-    if request.param == "torch":
+    if kernel == "torch":
         monkeypatch.setattr(fused, "paged_attention_available", lambda: False)
-    return request.param
+    c_kernel = fused.paged_attention
+
+    def counted(*args: object) -> torch.Tensor:
+        calls.append(1)
+        return c_kernel(*args)
+
+    monkeypatch.setattr(fused, "paged_attention", counted)
+    return calls
 
 
-@pytest.mark.parametrize(("dtype", "window"), [(torch.float32, None), (torch.float32, 40), (torch.bfloat16, None),
-                                               (torch.bfloat16, 40)])
+@pytest.mark.parametrize(
+    ("dtype", "kernel"), [(torch.float32, "torch"), (torch.bfloat16, "c"), (torch.bfloat16, "torch")]
+)
+@pytest.mark.parametrize("window", [None, 40])
 def test_rows_are_right_and_identical_alone_batched_and_in_prefill(
-    dtype: torch.dtype, window: int | None, kernel: str
+    dtype: torch.dtype, kernel: str, window: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if dtype == torch.float32 and kernel == "c":
-        pytest.skip("float32 always takes the torch path")
+    c_calls = _use(kernel, monkeypatch)
     cache = _cache(4096, dtype)
     gen = torch.Generator().manual_seed(2)
     perm = torch.randperm(4096, generator=gen)  # scattered slots, as a paged cache gives them
@@ -84,6 +93,7 @@ def test_rows_are_right_and_identical_alone_batched_and_in_prefill(
         assert torch.equal(prefill[-1], alone[i][0]), f"sequence {i}: prefill's last row differs from its decode"
         tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output is rounded to bf16
         torch.testing.assert_close(prefill.double(), _reference(cache, s, q, window), atol=tol, rtol=0)
+    assert bool(c_calls) == (kernel == "c")  # the path under test is the one that ran
 
 
 def _reference(cache: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor, q: torch.Tensor,
