@@ -91,3 +91,22 @@ def test_a_compiler_without_openmp_still_builds_the_norms_and_says_the_threaded_
     lib = ctypes.CDLL(str(fused._compiled()))
     assert lib.int8_matmul_available() == 0 and lib.paged_attention_available() == 0
     assert lib.rms_norm  # the norms are there
+
+
+@pytest.mark.skipif(not fused.argmax_available(), reason="no AVX-512 or OpenMP: torch.argmax")
+def test_argmax_rows_is_torch_argmax_with_ties_nans_and_infinities() -> None:
+    n = 3 * 32768 + 7  # several segments and a ragged tail
+    x = torch.randn(9, n, generator=torch.Generator().manual_seed(11))
+    x[1, 5] = x[1, 40000] = x[1, 70000] = 50.0  # ties across segments: the first wins
+    x[2, n - 1] = 60.0  # the very last element
+    x[3, 100] = x[3, 90000] = float("nan")  # NaN counts as the largest: the first NaN
+    x[3, 7] = float("inf")
+    x[4] = float("-inf")  # nothing but -inf: index 0
+    x[5] = 1.0  # all equal: index 0
+    x[6, 33000] = float("inf")
+    x[7, :20] = float("nan")
+    x[8, 17] = x[8, 18] = 99.0  # a tie within one vector
+    assert fused.argmax_rows(x) == x.argmax(dim=-1).tolist()
+    assert fused.argmax_rows(x[:1]) == [int(x[0].argmax())]
+    short = x[:, :10].contiguous()  # shorter than a vector
+    assert fused.argmax_rows(short) == short.argmax(dim=-1).tolist()

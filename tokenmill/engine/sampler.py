@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.engine.sampling import SamplingParams
+from tokenmill.model.fused import argmax_rows
 
 
 @dataclass
@@ -46,7 +47,7 @@ def sample(logits: torch.Tensor, rows: Seq[SampleInput]) -> list[Sampled]:
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     with adjusted(logits, rows) as processed:  # bias and penalties applied in place, undone on exit
         greedy_rows = processed if len(greedy) == len(rows) else processed[greedy]  # (a copy only when mixed)
-        chosen = dict(zip(greedy, greedy_rows.argmax(dim=-1).tolist())) if greedy else {}  # one pass
+        chosen = dict(zip(greedy, argmax_rows(greedy_rows))) if greedy else {}  # one pass
         tokens = [chosen[i] if i in chosen else _choose(processed[i], row) for i, row in enumerate(rows)]
     results = []
     for i, (row, token) in enumerate(zip(rows, tokens)):

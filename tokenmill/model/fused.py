@@ -6,7 +6,8 @@ third of a single-stream step. The norms, the q/k norm + rotary, the residual ad
 each instead of five to fifteen ops. torch has no CPU fusion for them short of torch.compile, whose compile time
 would exceed our whole start-up. (The gated GELU stays in torch: its vectorised tanh beats a scalar C loop.)
 The int8 matmul beats torch's weight-only int8 kernel 1.5-1.9x (see its header); attention over the paged cache
-(paged_attention.c) is one call per layer instead of ~40 ops.
+(paged_attention.c) is one call per layer instead of ~40 ops; greedy decoding's argmax over the vocabulary (argmax.c)
+is one pass, ~4x faster than torch's at 16 rows and ~7x at one.
 
 The sources are compiled on first use with the system C compiler (~1 s) and cached by source hash and CPU; without a
 compiler, or for other dtypes than bfloat16, `library()` is None and the model runs the same arithmetic in torch ops.
@@ -31,7 +32,7 @@ import platformdirs
 import torch
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(name) for name in ("fused.c", "int8_matmul.c", "paged_attention.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("fused.c", "int8_matmul.c", "paged_attention.c", "argmax.c")]
 MAX_HEAD_DIM = 1024  # norm_rotary's stack buffer
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
@@ -42,8 +43,12 @@ _SIGNATURES = {
     "int8_matmul_available": [],
     "paged_attention": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _F32, _PTR, ctypes.c_int],
     "paged_attention_available": [],
+    "argmax_rows": [_PTR, _I64, _I64, _PTR, ctypes.c_int],
+    "argmax_available": [],
 }
-_RETURNS_INT = {"int8_matmul", "int8_matmul_available", "paged_attention", "paged_attention_available"}
+_RETURNS_INT = {name for name in _SIGNATURES if name.endswith("_available")} | {
+    "int8_matmul", "paged_attention", "argmax_rows"
+}
 MAX_ATTENTION_HEAD_DIM = 512  # paged_attention.c's register tile
 
 
@@ -111,6 +116,22 @@ def paged_attention_available() -> bool:
     """AVX-512 and OpenMP were there when the kernels were compiled (see paged_attention.c)."""
     lib = library()
     return lib is not None and lib.paged_attention_available() == 1
+
+
+@cache
+def argmax_available() -> bool:
+    lib = library()
+    return lib is not None and lib.argmax_available() == 1
+
+
+def argmax_rows(x: torch.Tensor) -> list[int]:
+    """torch.argmax(x, dim=-1).tolist() for (rows, n) float32 logits: the C pass (argmax.c) where it compiled."""
+    if not (argmax_available() and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous()):
+        return x.argmax(dim=-1).tolist()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    if library().argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads()):
+        raise MemoryError("argmax_rows: no memory for the per-segment results")
+    return out.tolist()
 
 
 def usable(x: torch.Tensor) -> bool:
