@@ -120,8 +120,11 @@ def test_long_prefill_is_split_into_row_slices_with_the_same_bits(monkeypatch: p
 
 @pytest.mark.skipif(not fused.paged_attention_available(), reason="no AVX-512 or OpenMP: the torch path only")
 @pytest.mark.parametrize("window", [None, 100])
-def test_c_kernel_matches_float64_softmax_with_grouped_heads_at_the_real_head_size(window: int | None) -> None:
-    hq, hkv, d = 8, 2, 256  # two KV heads, each shared by four query heads
+@pytest.mark.parametrize(("hq", "hkv"), [(8, 2), (6, 1), (3, 3)])  # the kernel takes query heads 4 at a time
+def test_c_kernel_matches_float64_softmax_with_grouped_heads_at_the_real_head_size(
+    window: int | None, hq: int, hkv: int
+) -> None:
+    d = 256
     gen = torch.Generator().manual_seed(4)
     k_cache = torch.randn(2048, hkv, d, generator=gen).to(torch.bfloat16)
     v_cache = torch.randn(2048, hkv, d, generator=gen).to(torch.bfloat16)
