@@ -33,6 +33,7 @@ import torch
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name) for name in ("fused.c", "int8_matmul.c", "paged_attention.c", "argmax.c")]
+HEADERS = [Path(__file__).with_name("bf16_avx512.h")]
 MAX_HEAD_DIM = 1024  # norm_rotary's stack buffer
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
@@ -71,7 +72,7 @@ def _compiled() -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler (cc/gcc) on PATH")
-    sources = b"".join(source.read_bytes() for source in SOURCES)
+    sources = b"".join(source.read_bytes() for source in SOURCES + HEADERS)
     key = hashlib.sha256(sources + platform.machine().encode() + _cpu_flags()).hexdigest()[:16]
     target = _kernel_dir() / f"fused-{key}.so"
     if not target.is_file():

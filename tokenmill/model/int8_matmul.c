@@ -4,8 +4,9 @@
  * Why not torch's `_weight_int8pack_mm`: at 16 rows it converts every weight to float and reaches ~120 G MAC/s on
  * this 2-core machine, and the LM head (262,144 x 640) alone took half of a 16-sequence decode step. Here each row of
  * x is quantised to int16 (a power-of-two scale per row, so every value of at least 1/128 of the row's largest is
- * kept exactly) and multiplied against the int8 weights with AVX-512 VNNI's int16 dot product (vpdpwssd), which
- * widens the weights once per tile for all rows: ~1.9x torch at 16 rows and ~1.5x at one row.
+ * kept exactly) and multiplied against the int8 weights with AVX-512 VNNI's int16 dot product (vpdpwssd), each
+ * weight widened to int16 once per ROWS rows: ~2.7x torch at 16 rows (~350 G MAC/s, two thirds of the two cores'
+ * vpdpwssd peak) and ~1.5x at one row (memory-bound: ~50 GB/s of weights).
  *
  * Exactness, hence batch invariance: the int16 x int8 products are summed exactly in int32 over chunks of
  * CHUNK_PAIRS input pairs (256 * 32767 * 127 < 2^31), and the chunks' sums are added in float32 in chunk order.
@@ -27,6 +28,8 @@
 #include <math.h>
 #include <omp.h>
 
+#include "bf16_avx512.h"
+
 #define BLOCKS 4              /* 16-column blocks per tile (tile_sums names them: 0-3) */
 #define TILE (BLOCKS * 16)    /* output columns per tile */
 #define ROWS 6                /* rows per register tile (tile_sums names them: 0-5): 24 accumulators + 4 weights + 1 */
@@ -34,22 +37,8 @@
 
 int int8_matmul_available(void) { return 1; }
 
-static inline __m512 load_bf16(const uint16_t *p) {
-    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
-/* float32 -> bfloat16, round to nearest even; NaN stays NaN (quiet) */
-static inline __m256i to_bf16(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-}
-
-/* One row of x (K,) -> int16 with scale 2^e, the smallest power of two with max|x| / 2^e <= 32767 (K % 16 == 0).
+/* One row of x (K,) -> int16 with scale 2^e, a power of two with max|x| / 2^e <= 32767 (at most twice the smallest
+ * such scale; K % 16 == 0).
  * A row holding NaN or infinity gets a NaN scale, so its outputs are NaN as torch's would be. */
 static void quantize_row(const uint16_t *row, int64_t k, int16_t *q, float *scale) {
     __m512 top = _mm512_setzero_ps();
@@ -91,8 +80,8 @@ static inline void add_to(float *total, __m512i acc) {
     _mm512_storeu_ps(total, _mm512_add_ps(_mm512_loadu_ps(total), _mm512_cvtepi32_ps(acc)));
 }
 
-/* Rows [0, R) of q against one tile -> float32 sums[R][TILE]. R is a constant in each inlined copy, and the
- * ROWS x BLOCKS accumulators are named variables (as arrays, gcc kept them on the stack); the float32 totals stay in
+/* Rows [0, R) of q against one tile -> float32 sums[R][TILE]. R is a constant in each inlined copy; the ROWS x
+ * BLOCKS accumulators are named variables (a0 0..a5 3) so that they live in registers; the float32 totals stay in
  * memory, as registers beside the accumulators they would spill those instead. */
 #define ACCUMULATORS(r) __m512i a##r##0 = zero, a##r##1 = zero, a##r##2 = zero, a##r##3 = zero;
 #define ROW_DOT(r)                                                                                                  \
@@ -100,10 +89,10 @@ static inline void add_to(float *total, __m512i acc) {
         int32_t pair;                                                                                               \
         memcpy(&pair, q + r * k + 2 * p, sizeof pair);                                                              \
         __m512i x = _mm512_set1_epi32(pair);                                                                        \
-        a##r##0 = dot_pairs(a##r##0, x, w0);                                                              \
-        a##r##1 = dot_pairs(a##r##1, x, w1);                                                              \
-        a##r##2 = dot_pairs(a##r##2, x, w2);                                                              \
-        a##r##3 = dot_pairs(a##r##3, x, w3);                                                              \
+        a##r##0 = dot_pairs(a##r##0, x, w0);                                                                        \
+        a##r##1 = dot_pairs(a##r##1, x, w1);                                                                        \
+        a##r##2 = dot_pairs(a##r##2, x, w2);                                                                        \
+        a##r##3 = dot_pairs(a##r##3, x, w3);                                                                        \
     }
 #define ROW_FLUSH(r)                                                                                                \
     if (R > r) {                                                                                                    \
@@ -131,8 +120,7 @@ static inline __attribute__((always_inline)) void tile_sums(const int16_t *q, in
 }
 
 /* x (M, K) bf16, tiles as above, scale (N,) float32 -> out (M, N) bf16, or float32 if float_out. K % 32 == 0.
- * Returns 0, or -1
- * when the int16 scratch cannot be allocated. */
+ * Returns 0, or -1 when the int16 scratch cannot be allocated. */
 int int8_matmul(const uint16_t *x, int64_t m, int64_t k, const int8_t *tiles, const float *scale, int64_t n,
                 void *out, int float_out, int threads) {
     int16_t *q = malloc((size_t)(m * k) * sizeof *q + 64);

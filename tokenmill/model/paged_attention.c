@@ -20,23 +20,11 @@
 #include <math.h>
 #include <omp.h>
 
+#include "bf16_avx512.h"
+
 int paged_attention_available(void) { return 1; }
 
-static inline __m512 load_bf16(const uint16_t *p) {
-    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
-static inline __m256i to_bf16(__m512 v) { /* round to nearest even; NaN stays NaN */
-    __m512i u = _mm512_castps_si512(v);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-}
-
-/* e^x for x <= 0 (Cephes' expf polynomial on x - n ln2, then scaled by 2^n): within ~2 ulp; below -87 it is 0 */
+/* e^x for x <= 0: Cephes' expf polynomial on x - n ln2, scaled by 2^n; below -87 it is 0 */
 static inline __m512 exp_nonpositive(__m512 x) {
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
     __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
@@ -105,7 +93,8 @@ static inline __attribute__((always_inline)) void attend_group(
         __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top)), sum = _mm512_setzero_ps();
         for (int64_t t = 0; t < count; t += 16) {
             __mmask16 live = count - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (count - t)) - 1);
-            __m512 p = _mm512_maskz_mov_ps(live, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s[g] + t), shift)));
+            __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(live, s[g] + t), shift);
+            __m512 p = _mm512_maskz_mov_ps(live, exp_nonpositive(x));
             _mm512_mask_storeu_ps(s[g] + t, live, p);
             sum = _mm512_add_ps(sum, p);
         }
