@@ -73,3 +73,27 @@ def test_top_p_wider_than_the_candidate_shortlist_still_covers_the_nucleus() -> 
     flat = torch.zeros(1, 5000)  # uniform: the 0.9 nucleus holds 4500 tokens, far more than the shortlist
     seen = {sample(flat, [row(seed=s, temperature=1.0, top_p=0.9)])[0].token_id for s in range(200)}
     assert max(seen) > 1024
+
+
+def test_adjusted_applies_each_rows_bias_and_penalties_to_its_own_row_and_undoes_them_exactly() -> None:
+    from tokenmill.engine.sampler import adjusted
+
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 50, generator=gen)
+    original = logits.clone()
+    rows = [
+        row(logit_bias={1: 2.5, 7: -100.0}, counts={7: 3, 9: 1}, frequency_penalty=0.3, presence_penalty=0.7),
+        row(),  # untouched
+        row(logit_bias={7: 1.0}, counts={2: 4}, frequency_penalty=-0.2),
+    ]
+    expected = original.clone()
+    for i, r in enumerate(rows):  # the formula, one row and one entry at a time
+        for token, b in r.params.logit_bias.items():
+            expected[i, token] += torch.tensor(b)
+        if r.params.has_penalties:
+            for token, count in r.output_counts.items():
+                f, p = torch.tensor(r.params.frequency_penalty), torch.tensor(r.params.presence_penalty)
+                expected[i, token] -= torch.tensor(float(count)) * f + p
+    with adjusted(logits, rows) as processed:
+        assert processed is logits and torch.equal(processed, expected)
+    assert torch.equal(logits, original)

@@ -64,30 +64,40 @@ def sample(logits: torch.Tensor, rows: Seq[SampleInput]) -> list[Sampled]:
 def adjusted(logits: torch.Tensor, rows: Seq[SampleInput]) -> Iterator[torch.Tensor]:
     """The logits with each row's logit_bias added and OpenAI's penalties subtracted, in place and undone after.
 
-    Penalties: logit[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty. Only the touched entries
-    are saved and written back (exactly), instead of copying the whole (N, V) logits for a few changed entries.
+    Penalties: logit[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty. Every row's entries go
+    in one indexed add (and one subtract) over the flattened logits, and only the touched entries are saved and
+    written back (exactly), instead of copying the whole (N, V) logits for a few changed entries.
     """
-    saved = []
+    vocab, flat = logits.shape[-1], logits.view(-1)  # a view: the writes land in `logits`
+    bias_at: list[int] = []
+    bias: list[float] = []
+    penalty_at: list[int] = []
+    counts: list[int] = []
+    frequency: list[float] = []
+    presence: list[float] = []
     for i, r in enumerate(rows):
-        touched = set(r.params.logit_bias)
+        bias_at.extend(i * vocab + token for token in r.params.logit_bias)
+        bias.extend(r.params.logit_bias.values())
         if r.params.has_penalties:
-            touched |= r.output_counts.keys()
-        if touched:
-            ids = torch.tensor(sorted(touched), dtype=torch.long)
-            saved.append((i, ids, logits[i, ids].clone()))
+            penalty_at.extend(i * vocab + token for token in r.output_counts)
+            counts.extend(r.output_counts.values())
+            frequency.extend([r.params.frequency_penalty] * len(r.output_counts))
+            presence.extend([r.params.presence_penalty] * len(r.output_counts))
+    if not bias_at and not penalty_at:
+        yield logits
+        return
+    touched = torch.tensor(sorted(set(bias_at) | set(penalty_at)), dtype=torch.long)
+    saved = flat[touched]  # a copy
     try:
-        for i, r in enumerate(rows):
-            if r.params.logit_bias:
-                ids = torch.tensor(list(r.params.logit_bias.keys()), dtype=torch.long)
-                logits[i, ids] += torch.tensor(list(r.params.logit_bias.values()), dtype=logits.dtype)
-            if r.params.has_penalties and r.output_counts:
-                ids = torch.tensor(list(r.output_counts.keys()), dtype=torch.long)
-                counts = torch.tensor(list(r.output_counts.values()), dtype=logits.dtype)
-                logits[i, ids] -= counts * r.params.frequency_penalty + r.params.presence_penalty
+        if bias_at:
+            flat[torch.tensor(bias_at, dtype=torch.long)] += torch.tensor(bias, dtype=logits.dtype)
+        if penalty_at:
+            as_logits = {"dtype": logits.dtype}
+            penalty = torch.tensor(counts, **as_logits) * torch.tensor(frequency, **as_logits)
+            flat[torch.tensor(penalty_at, dtype=torch.long)] -= penalty + torch.tensor(presence, **as_logits)
         yield logits
     finally:
-        for i, ids, values in saved:
-            logits[i, ids] = values
+        flat[touched] = saved
 
 
 def _choose(logits: torch.Tensor, row: SampleInput) -> int:
