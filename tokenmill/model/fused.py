@@ -79,7 +79,7 @@ def _compiled() -> Path:
         tmp = target.with_suffix(f".tmp-{os.getpid()}.so")
         flags = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared"]
         command = [compiler, *flags, "-o", str(tmp), *map(str, SOURCES), "-lm"]
-        try:  # the int8 matmul needs OpenMP's threads; without it the rest still compiles (and that kernel says so)
+        try:  # the threaded kernels need OpenMP; without it the rest still compiles (and those kernels say so)
             subprocess.run([*command, "-fopenmp"], check=True, capture_output=True)
         except subprocess.CalledProcessError:
             subprocess.run(command, check=True, capture_output=True)
@@ -106,23 +106,26 @@ def _kernel_dir() -> Path:
 
 
 @cache
+def _built(kernel: str) -> bool:
+    """Whether `kernel` was compiled in: it says so itself (`<kernel>_available()`), as its CPU features and OpenMP
+    were or were not there at compile time."""
+    lib = library()
+    return lib is not None and getattr(lib, f"{kernel}_available")() == 1
+
+
 def int8_matmul_available() -> bool:
-    """AVX-512 VNNI and OpenMP were there when the kernels were compiled (see int8_matmul.c)."""
-    lib = library()
-    return lib is not None and lib.int8_matmul_available() == 1
+    """AVX-512 (F, BW, VL, VNNI) and OpenMP (see int8_matmul.c)."""
+    return _built("int8_matmul")
 
 
-@cache
 def paged_attention_available() -> bool:
-    """AVX-512 and OpenMP were there when the kernels were compiled (see paged_attention.c)."""
-    lib = library()
-    return lib is not None and lib.paged_attention_available() == 1
+    """AVX-512F and OpenMP (see paged_attention.c)."""
+    return _built("paged_attention")
 
 
-@cache
 def argmax_available() -> bool:
-    lib = library()
-    return lib is not None and lib.argmax_available() == 1
+    """AVX-512F and OpenMP (see argmax.c)."""
+    return _built("argmax")
 
 
 def argmax_rows(x: torch.Tensor) -> list[int]:
