@@ -110,3 +110,20 @@ def test_argmax_rows_is_torch_argmax_with_ties_nans_and_infinities() -> None:
     assert fused.argmax_rows(x[:1]) == [int(x[0].argmax())]
     short = x[:, :10].contiguous()  # shorter than a vector
     assert fused.argmax_rows(short) == short.argmax(dim=-1).tolist()
+
+
+@pytest.mark.skipif(not fused.gelu_mul_available(), reason="no AVX-512 or OpenMP: torch's ops")
+def test_gated_gelu_kernel_matches_the_formula_on_strided_rows() -> None:
+    import math
+
+    f = 2048
+    wide = _randn(7, 2 * f + 64, seed=12, scale=3.0)
+    gate_up = wide[:, : 2 * f]  # rows 2F + 64 apart, as a slice of a wider projection would be
+    got = fused.gelu_mul(gate_up).double()
+    g, up = gate_up[:, :f].double(), gate_up[:, f:].double()
+    u = math.sqrt(2 / math.pi) * (g + 0.044715 * g**3)
+    gelu = g / (1 + torch.exp(-2 * u))  # = g/2 (1 + tanh(u)), without that form's cancellation for large negative g
+    expected = gelu.to(BF16).double() * up  # torch's bf16 intermediate, then the product
+    # the product's bf16 rounding (2^-8), and at most one bf16 step on the intermediate where float32 sits on a tie
+    assert (got - expected).abs().le(2.0**-7 * expected.abs() + 1e-30).all()
+    assert torch.equal(fused.gelu_mul(gate_up[2:3])[0], fused.gelu_mul(gate_up)[2].to(BF16))  # rows independent

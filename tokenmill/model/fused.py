@@ -32,8 +32,8 @@ import platformdirs
 import torch
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(name) for name in ("fused.c", "int8_matmul.c", "paged_attention.c", "argmax.c")]
-HEADERS = [Path(__file__).with_name("bf16_avx512.h")]
+SOURCES = [Path(__file__).with_name(name) for name in ("fused.c", "int8_matmul.c", "paged_attention.c", "argmax.c", "gelu.c")]
+HEADERS = [Path(__file__).with_name("avx512_common.h")]
 MAX_HEAD_DIM = 1024  # norm_rotary's stack buffer
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
@@ -46,6 +46,8 @@ _SIGNATURES = {
     "paged_attention_available": [],
     "argmax_rows": [_PTR, _I64, _I64, _PTR, ctypes.c_int],
     "argmax_available": [],
+    "gelu_mul": [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_int],
+    "gelu_mul_available": [],
 }
 _RETURNS_INT = {name for name in _SIGNATURES if name.endswith("_available")} | {
     "int8_matmul", "paged_attention", "argmax_rows"
@@ -126,6 +128,21 @@ def paged_attention_available() -> bool:
 def argmax_available() -> bool:
     """AVX-512F and OpenMP (see argmax.c)."""
     return _built("argmax")
+
+
+def gelu_mul_available() -> bool:
+    """AVX-512F and OpenMP (see gelu.c)."""
+    return _built("gelu_mul")
+
+
+def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """(T, 2F) bf16, rows contiguous → gelu_tanh(gate) · up, (T, F) bf16 (gelu.c)."""
+    if gate_up.stride(-1) != 1:
+        gate_up = gate_up.contiguous()
+    t, f = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(t, f, dtype=torch.bfloat16)
+    library().gelu_mul(gate_up.data_ptr(), gate_up.stride(0), t, f, out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def argmax_rows(x: torch.Tensor) -> list[int]:

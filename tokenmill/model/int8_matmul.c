@@ -28,7 +28,7 @@
 #include <math.h>
 #include <omp.h>
 
-#include "bf16_avx512.h"
+#include "avx512_common.h"
 
 #define BLOCKS 4              /* 16-column blocks per tile (tile_sums names them: 0-3) */
 #define TILE (BLOCKS * 16)    /* output columns per tile */

@@ -83,6 +83,8 @@ def norm_rotary(
 
 
 def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """(T, 2F) → gelu_tanh(gate) · up, (T, F): Gemma's gated MLP activation."""
+    """(T, 2F) → gelu_tanh(gate) · up, (T, F): Gemma's gated MLP activation (bf16: one C pass, fused.gelu_mul)."""
+    if gate_up.dim() == 2 and gate_up.shape[1] % 32 == 0 and fused.usable(gate_up) and fused.gelu_mul_available():
+        return fused.gelu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
