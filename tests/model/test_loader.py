@@ -186,7 +186,12 @@ def test_a_quantised_start_caches_its_prepared_weights_and_the_next_start_comput
     def logits(engine: AsyncEngine) -> torch.Tensor:
         return engine.run_in_engine_thread(lambda: engine.core.runner.model.forward_dense(ids))
 
+    load_model_files(path, str(tmp_path), torch.bfloat16)  # the converted entry, before any prepared file
+    (entry,) = tmp_path.glob("gguf-*")
+    stale = entry / "prepared-v1.bfloat16-int8.safetensors"  # an earlier version's layout
+    stale.write_bytes(b"never read again")
     first = AsyncEngine.from_config(config)
+    assert not stale.exists()
     (prepared,) = tmp_path.glob("gguf-*/prepared-v*.bfloat16-int8-*.safetensors")
     assert not load_model_files(path, str(tmp_path), torch.bfloat16).prepared  # other modes keep their own files
     reloaded = load_model_files(path, str(tmp_path), torch.bfloat16, "int8")

@@ -77,7 +77,7 @@ class AsyncEngine:
     def _load(config: Config) -> tuple[EngineCore, str, str]:
         import torch
 
-        from tokenmill.model.loader import load_model_files, prepared_file, save_weights_atomically
+        from tokenmill.model.loader import load_model_files, save_prepared
         from tokenmill.model.registry import build_model
 
         if config.threads:
@@ -88,7 +88,7 @@ class AsyncEngine:
         loaded.state_dict = {}  # the model holds what it uses; the rest (a replaced bf16 table) can go
         core = build_engine_core(model, loaded.tokenizer, config)
         if not loaded.prepared and loaded.cache_entry is not None and quantization != "none":
-            save_weights_atomically(model.state_dict(), prepared_file(loaded.cache_entry, dtype, quantization))
+            save_prepared(model.state_dict(), loaded.cache_entry, dtype, quantization)
         release_freed_memory()
         name = config.served_model_name or loaded.name
         return core, name, system_fingerprint(loaded.source_id, config)

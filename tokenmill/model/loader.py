@@ -65,6 +65,15 @@ def prepared_file(entry: Path, dtype: torch.dtype, quantization: str) -> Path:
     return entry / f"prepared-v{PREPARED_VERSION}.{name}.safetensors"
 
 
+def save_prepared(state_dict: dict[str, torch.Tensor], entry: Path, dtype: torch.dtype, quantization: str) -> None:
+    """Cache the engine's prepared weights in `entry`; prepared files of earlier versions there are never read again,
+    so they go (a few hundred MB each)."""
+    for stale in entry.glob("prepared-v*.safetensors"):
+        if not stale.name.startswith(f"prepared-v{PREPARED_VERSION}."):
+            stale.unlink(missing_ok=True)
+    save_weights_atomically(state_dict, prepared_file(entry, dtype, quantization))
+
+
 def save_weights_atomically(state_dict: dict[str, torch.Tensor], path: Path) -> None:
     """Write a cache file whole or not at all (readers never see a partial file); failing only costs a later start."""
     tmp = path.with_suffix(f".tmp-{os.getpid()}")
