@@ -1,11 +1,14 @@
 """Attention over the paged KV cache, computed so that a query row's numbers never depend on its neighbours.
 
-A row's keys are split into chunks of CHUNK positions that start at absolute multiples of CHUNK. Every chunk is
-scored and weighted with the same fixed-shape float32 matmuls, masked positions become exact zeros, and the chunks'
-partial sums are added strictly in position order (a cumulative sum). So a row gets the same bits whether it is
-decoded alone, decoded beside fifteen other sequences (one batched call for all decode rows of a step), or computed
-inside a prompt's prefill, from a cached prefix or after a preemption: padding adds only exact zeros, at the end or
-in whole chunks before the row's window.
+bf16 on a CPU with AVX-512: one C call per layer (paged_attention.c) takes every row of the step with its list of
+visible cache slots (KeyLists) and computes each (row, head) by itself, from fixed loops.
+
+Otherwise (float32, other CPUs), in torch: a row's keys are split into chunks of CHUNK positions that start at
+absolute multiples of CHUNK. Every chunk is scored and weighted with the same fixed-shape float32 matmuls, masked
+positions become exact zeros, and the chunks' partial sums are added strictly in position order (a cumulative sum).
+
+Either way a row gets the same bits whether it is decoded alone, decoded beside fifteen other sequences (one call for
+all rows of a step), or computed inside a prompt's prefill, from a cached prefix or after a preemption.
 
 Why not one SDPA call per sequence: on a 2-core CPU its per-call overhead (GQA expansion, the math fallback) cost
 ~80 µs per sequence and layer, a third of a 16-sequence decode step.
