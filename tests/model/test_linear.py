@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +16,7 @@ from tokenmill.model.linear import (
     float32_product,
     make_linear,
     quantize_int8,
+    tile_int8,
 )
 
 
@@ -108,3 +112,68 @@ def test_tiled_int8_float32_output_is_the_unrounded_bf16_output() -> None:
     assert full.dtype == torch.float32 and torch.equal(full.to(torch.bfloat16), layer(x))
     assert not torch.equal(full, full.to(torch.bfloat16).float())  # really unrounded
     assert torch.equal(float32_product(layer, x), full)
+
+
+def _exact_int8_product(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8_matmul.c's arithmetic in torch: int16 rows with a power-of-two scale, exact integer sums over chunks of
+    256 inputs, the chunks' sums added in float32 in order, then times (row scale × weight scale), in float32."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=1)
+    _, exponent = torch.frexp(amax / 32767.0)
+    row_scale = torch.where(amax > 0, torch.ldexp(torch.ones_like(amax), exponent), torch.zeros_like(amax))
+    inverse = torch.where(row_scale > 0, 1.0 / row_scale, torch.zeros_like(row_scale))
+    qx = torch.round(xf * inverse[:, None]).long()
+    total = torch.zeros(x.shape[0], q.shape[0])
+    for lo in range(0, x.shape[1], 256):
+        total = total + (qx[:, lo : lo + 256] @ q[:, lo : lo + 256].long().T).float()
+    return total * (row_scale[:, None] * scale[None, :])
+
+
+@tiled
+def test_tiled_int8_computes_exactly_the_documented_arithmetic() -> None:
+    w = weight(130, 640, torch.bfloat16)
+    layer = TiledInt8Linear.quantize(w)
+    q, scale = quantize_int8(w)
+    x = (torch.randn(5, 640, generator=torch.Generator().manual_seed(3)) * 4).to(torch.bfloat16)
+    expected = _exact_int8_product(x, q, scale)
+    assert torch.equal(layer(x, out_dtype=torch.float32), expected)
+    assert torch.equal(layer(x), expected.to(torch.bfloat16))
+
+
+def _cpu_has(*flags: str) -> bool:
+    try:
+        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    return all(f in line.split() for f in flags)
+
+
+@pytest.mark.skipif(not _cpu_has("avx2", "fma"), reason="the AVX2 build cannot run on this CPU")
+def test_the_avx2_build_of_the_int8_matmul_gives_the_same_bits(tmp_path: Path) -> None:
+    """The kernel has an AVX-512 and an AVX2 path; whichever this machine compiles natively, the AVX2 build must
+    compute the documented arithmetic bit for bit (and so equal the AVX-512 path, tested above where it runs)."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    sources = [str(p) for p in fused.SOURCES]
+    target = tmp_path / "avx2.so"
+    command = [compiler, "-O3", "-march=haswell", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp", "-o",
+               str(target), *sources, "-lm"]
+    if subprocess.run(command, check=False, capture_output=True).returncode:
+        pytest.skip("this compiler cannot build for -march=haswell with OpenMP")
+    lib = ctypes.CDLL(str(target))
+    assert lib.int8_matmul_available() == 1 and lib.paged_attention_available() == 0  # AVX2 only, indeed
+    w = weight(130, 640, torch.bfloat16)
+    q, scale = quantize_int8(w)
+    tiles = tile_int8(q)
+    lib.int8_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    for rows in (1, 7):
+        x = (torch.randn(rows, 640, generator=torch.Generator().manual_seed(rows)) * 4).to(torch.bfloat16)
+        out = torch.empty(rows, 130)
+        assert lib.int8_matmul(x.data_ptr(), rows, 640, tiles.data_ptr(), scale.data_ptr(), 130, out.data_ptr(), 1, 2) == 0
+        assert torch.equal(out, _exact_int8_product(x, q, scale))

@@ -1,18 +1,17 @@
-"""Our C kernels, called through ctypes: fused bfloat16 ops of a decoder layer (fused.c) and the int8 matmul
-(int8_matmul.c, used by linear.TiledInt8Linear).
+"""Our C kernels, called through ctypes, for the bf16 hot path where torch is slow on a CPU.
 
-Why: a decode step on this model runs ~2,000 eager torch ops, most on a few hundred numbers, at ~4 µs each — about a
-third of a single-stream step. The norms, the q/k norm + rotary, the residual adds and the gated GELU take one call
-each instead of five to fifteen ops. torch has no CPU fusion for them short of torch.compile, whose compile time
-would exceed our whole start-up. (The gated GELU stays in torch: its vectorised tanh beats a scalar C loop.)
-The int8 matmul beats torch's weight-only int8 kernel 1.5-1.9x (see its header); attention over the paged cache
-(paged_attention.c) is one call per layer instead of ~40 ops; greedy decoding's argmax over the vocabulary (argmax.c)
-is one pass, ~4x faster than torch's at 16 rows and ~7x at one.
+- fused.c: the norms, norm + residual add and q/k norm + rotary of a decoder layer. A decode step on this model ran
+  ~2,000 eager torch ops, most on a few hundred numbers at ~4 µs each; these take one call instead of five to fifteen
+  ops. torch has no CPU fusion for them short of torch.compile, whose compile time would exceed our whole start-up.
+- int8_matmul.c (linear.TiledInt8Linear): the weight-only int8 matmul, 1.5x torch's kernel at one row and 2.7x at 16
+  (see its header).
+- paged_attention.c: attention over the paged cache, one call per layer instead of ~40 ops.
+- gelu.c: the gated GELU in one pass; argmax.c: greedy decoding's argmax, ~4x torch's at 16 rows and ~7x at one.
 
 The sources are compiled on first use with the system C compiler (~1 s) and cached by source hash and CPU; without a
 compiler, or for other dtypes than bfloat16, `library()` is None and the model runs the same arithmetic in torch ops.
-Without AVX-512 VNNI or OpenMP, `int8_matmul_available()` is False and int8 layers keep torch's kernel; without
-AVX-512 or OpenMP, `paged_attention_available()` is False and attention keeps its torch path.
+Each kernel also says whether it was compiled in (`*_available()`): the int8 matmul needs AVX-512 VNNI or AVX2, the
+others AVX-512F, and all of them OpenMP; where one is missing its caller keeps the torch path.
 """
 
 from __future__ import annotations
@@ -116,7 +115,7 @@ def _built(kernel: str) -> bool:
 
 
 def int8_matmul_available() -> bool:
-    """AVX-512 (F, BW, VL, VNNI) and OpenMP (see int8_matmul.c)."""
+    """AVX-512 (F, BW, VL, VNNI) or AVX2 + FMA, and OpenMP (see int8_matmul.c)."""
     return _built("int8_matmul")
 
 

@@ -1,8 +1,8 @@
 """The engine's linear layers: weight-only quantised for fast CPU decode, or row-padded for fp32 batch invariance.
 
 A decode step reads every weight once per token, so on a memory-bound CPU the step time follows the weights' bytes:
-int8 halves bf16's. With bf16 activations on a CPU with AVX-512 VNNI, int8 layers run our own kernel
-(TiledInt8Linear, int8_matmul.c: ~1.5x torch's at one row, ~2.7x at 16); otherwise torch's CPU kernels do the matmul
+int8 halves bf16's. With bf16 activations on a CPU with AVX-512 VNNI or AVX2, int8 layers run our own kernel
+(TiledInt8Linear, int8_matmul.c: ~1.5x torch's at one row, ~2.7x at 16 with AVX-512); otherwise torch's CPU kernels do the matmul
 (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`). Quantising changes logits, so the unquantised modes stay for
 scoring.
 
@@ -32,6 +32,14 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = weight.float()
     scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
     return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def tile_int8(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) int8 → int8_matmul.c's tiles, (ceil(N / 64), K / 2, 64, 2); the last tile's missing columns are zeros."""
+    n, k = q.shape
+    if n % INT8_TILE:
+        q = torch.cat([q, q.new_zeros(INT8_TILE - n % INT8_TILE, k)])
+    return q.view(-1, INT8_TILE, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 class Int8Linear(nn.Module):
@@ -82,10 +90,8 @@ class TiledInt8Linear(nn.Module):
         scale = torch.empty(n)
         for lo in range(0, n, QUANT_CHUNK_ROWS):  # in slices: no float32 or untiled copy of a 262k-row head
             q, scale[lo : lo + QUANT_CHUNK_ROWS] = quantize_int8(weight[lo : lo + QUANT_CHUNK_ROWS])
-            if len(q) % INT8_TILE:  # the last tile's missing columns are zero weights
-                q = torch.cat([q, q.new_zeros(INT8_TILE - len(q) % INT8_TILE, k)])
-            first = lo // INT8_TILE
-            tiles[first : first + len(q) // INT8_TILE] = q.view(-1, INT8_TILE, k // 2, 2).permute(0, 2, 1, 3)
+            chunk = tile_int8(q)
+            tiles[lo // INT8_TILE : lo // INT8_TILE + len(chunk)] = chunk
         return cls(tiles, scale)
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
