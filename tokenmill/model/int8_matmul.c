@@ -22,6 +22,7 @@
  *
  * Threads: OpenMP, which resolves to torch's own libgomp when torch is loaded first (one thread pool, no contention).
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -33,23 +34,35 @@
 #define WITH_AVX2 1
 #endif
 
-#if defined(WITH_AVX512)
+#if defined(WITH_AVX512) || defined(WITH_AVX2)
 #include <immintrin.h>
-#include <math.h>
 #include <omp.h>
 
-#include "avx512_common.h"
-
-#define BLOCKS 4              /* 16-column blocks per tile (tile_sums names them: 0-3) */
-#define TILE (BLOCKS * 16)    /* output columns per tile */
-#define ROWS 6                /* rows per register tile (tile_sums names them: 0-5): 24 accumulators + 4 weights + 1 */
-#define CHUNK_PAIRS 128       /* input pairs summed exactly in int32 before going to float32 */
+#define TILE 64         /* output columns per tile */
+#define CHUNK_PAIRS 128 /* input pairs summed exactly in int32 before going to float32 */
 
 int int8_matmul_available(void) { return 1; }
 
-/* One row of x (K,) -> int16 with scale 2^e, a power of two with max|x| / 2^e <= 32767 (at most twice the smallest
- * such scale; K % 16 == 0).
- * A row holding NaN or infinity gets a NaN scale, so its outputs are NaN as torch's would be. */
+/* The int16 scale of a row whose largest |x| is amax: 2^e, a power of two with amax / 2^e <= 32767 (at most twice
+ * the smallest such scale), 0 for a row of zeros, NaN for a row holding NaN or infinity (`bad`), so that its outputs
+ * are NaN as torch's would be. Both paths' quantize_row take it from here. */
+static float row_scale_of(float amax, int bad) {
+    if (bad) return NAN;
+    if (!(amax > 0.0f)) return 0.0f;
+    int e;
+    frexpf(amax / 32767.0f, &e);
+    return ldexpf(1.0f, e);
+}
+#endif
+
+#if defined(WITH_AVX512)
+#include "avx512_common.h"
+
+#define BLOCKS 4 /* 16-column blocks per tile (tile_sums names them: 0-3) */
+#define ROWS 6   /* rows per register tile (tile_sums names them: 0-5): 24 accumulators + 4 weights + 1 */
+_Static_assert(BLOCKS * 16 == TILE, "tile_sums covers a tile with BLOCKS blocks of 16 lanes");
+
+/* One row of x (K,) -> int16 with row_scale_of's scale (K % 16 == 0); a bad row's int16 values are zeros. */
 static void quantize_row(const uint16_t *row, int64_t k, int16_t *q, float *scale) {
     __m512 top = _mm512_setzero_ps();
     __mmask16 bad = 0;
@@ -58,23 +71,16 @@ static void quantize_row(const uint16_t *row, int64_t k, int16_t *q, float *scal
         bad |= _mm512_cmp_ps_mask(v, _mm512_set1_ps(INFINITY), _CMP_NLT_UQ); /* inf or NaN */
         top = _mm512_max_ps(top, v);
     }
-    float amax = _mm512_reduce_max_ps(top), s = 0.0f;
+    float s = *scale = row_scale_of(_mm512_reduce_max_ps(top), bad != 0);
     if (bad) {
         memset(q, 0, (size_t)k * sizeof *q);
-        *scale = NAN;
         return;
-    }
-    if (amax > 0.0f) {
-        int e;
-        frexpf(amax / 32767.0f, &e);
-        s = ldexpf(1.0f, e);
     }
     __m512 inv = _mm512_set1_ps(s > 0.0f ? 1.0f / s : 0.0f); /* a power of two: x * inv is exact */
     for (int64_t i = 0; i < k; i += 16) {
         __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(load_bf16(row + i), inv)); /* nearest even */
         _mm256_storeu_si256((__m256i *)(q + i), _mm512_cvtsepi32_epi16(qi));
     }
-    *scale = s;
 }
 
 /* acc += pairwise int16 dot products of x and w (vpdpwssd). In inline assembly because gcc 12's pattern for the
@@ -157,15 +163,7 @@ static void row_tile_sums(const int16_t *q, int64_t k, const int8_t *w, float *s
 /* The same arithmetic with AVX2: vpmaddwd (int16 pairs -> int32) and an add in place of vpdpwssd, 8 lanes, up to 6
  * rows of 2 blocks of 8 columns in registers. Same tiles, same exact int32 chunk sums, same float32 steps: the same
  * bits as the AVX-512 path (a test compares the two builds). */
-#include <immintrin.h>
-#include <math.h>
-#include <omp.h>
-
-#define TILE 64
 #define ROWS 6 /* rows per register tile: 12 accumulators + 2 weights + 1 + 1 */
-#define CHUNK_PAIRS 128
-
-int int8_matmul_available(void) { return 1; }
 
 static inline __m256 load_bf16_8(const uint16_t *p) {
     __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
@@ -181,18 +179,13 @@ static void quantize_row(const uint16_t *row, int64_t k, int16_t *q, float *scal
         bad |= _mm256_movemask_ps(_mm256_cmp_ps(v, inf, _CMP_NLT_UQ)); /* inf or NaN */
         top = _mm256_max_ps(top, v);
     }
-    float lanes[8], amax = 0.0f, s = 0.0f;
+    float lanes[8], amax = 0.0f;
     _mm256_storeu_ps(lanes, top);
     for (int i = 0; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
+    float s = *scale = row_scale_of(amax, bad);
     if (bad) {
         memset(q, 0, (size_t)k * sizeof *q);
-        *scale = NAN;
         return;
-    }
-    if (amax > 0.0f) {
-        int e;
-        frexpf(amax / 32767.0f, &e);
-        s = ldexpf(1.0f, e);
     }
     __m256 inv = _mm256_set1_ps(s > 0.0f ? 1.0f / s : 0.0f);
     for (int64_t i = 0; i < k; i += 8) {
@@ -200,7 +193,6 @@ static void quantize_row(const uint16_t *row, int64_t k, int16_t *q, float *scal
         __m128i packed = _mm_packs_epi32(_mm256_castsi256_si128(qi), _mm256_extracti128_si256(qi, 1));
         _mm_storeu_si128((__m128i *)(q + i), packed);
     }
-    *scale = s;
 }
 
 static inline __m256i widen8(const int8_t *p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)); }
