@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -140,38 +139,24 @@ def test_tiled_int8_computes_exactly_the_documented_arithmetic() -> None:
     assert torch.equal(layer(x), expected.to(torch.bfloat16))
 
 
-def _cpu_has(*flags: str) -> bool:
-    try:
-        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
-    except (OSError, StopIteration):
-        return False
-    return all(f in line.split() for f in flags)
-
-
-@pytest.mark.skipif(not _cpu_has("avx2", "fma"), reason="the AVX2 build cannot run on this CPU")
+@pytest.mark.skipif(not {b"avx2", b"fma"} <= set(fused._cpu_flags().split()), reason="the AVX2 build cannot run here")
 def test_the_avx2_build_of_the_int8_matmul_gives_the_same_bits(tmp_path: Path) -> None:
     """The kernel has an AVX-512 and an AVX2 path; whichever this machine compiles natively, the AVX2 build must
     compute the documented arithmetic bit for bit (and so equal the AVX-512 path, tested above where it runs)."""
-    import ctypes
-    import shutil
     import subprocess
 
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        pytest.skip("no C compiler")
-    sources = [str(p) for p in fused.SOURCES]
     target = tmp_path / "avx2.so"
-    command = [compiler, "-O3", "-march=haswell", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp", "-o",
-               str(target), *sources, "-lm"]
-    if subprocess.run(command, check=False, capture_output=True).returncode:
-        pytest.skip("this compiler cannot build for -march=haswell with OpenMP")
-    lib = ctypes.CDLL(str(target))
-    assert lib.int8_matmul_available() == 1 and lib.paged_attention_available() == 0  # AVX2 only, indeed
+    try:
+        fused.build(target, march="haswell")
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("no compiler that builds for -march=haswell")
+    lib = fused.load(target)
+    if not lib.int8_matmul_available():
+        pytest.skip("no OpenMP: the int8 kernel is not compiled in")
+    assert lib.paged_attention_available() == 0  # AVX2 only, indeed
     w = weight(130, 640, torch.bfloat16)
     q, scale = quantize_int8(w)
     tiles = tile_int8(q)
-    lib.int8_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     for rows in (1, 7):
         x = (torch.randn(rows, 640, generator=torch.Generator().manual_seed(rows)) * 4).to(torch.bfloat16)
         out = torch.empty(rows, 130)

@@ -59,31 +59,47 @@ def library() -> ctypes.CDLL | None:
     if os.environ.get("TOKENMILL_FUSED", "1") == "0":
         return None
     try:
-        lib = ctypes.CDLL(str(_compiled()))
+        return load(_compiled())
     except (OSError, subprocess.CalledProcessError) as e:
         log.warning("fused kernels unavailable (%s); using plain torch ops, which are slower", e)
         return None
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """A compiled kernel library, its functions given their C signatures."""
+    lib = ctypes.CDLL(str(path))
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, (ctypes.c_int if name in _RETURNS_INT else None)
     return lib
 
 
-def _compiled() -> Path:
+def build(target: Path, march: str = "native") -> None:
+    """Compiles the kernels into `target` for the CPU `march` names, with OpenMP where the compiler has it."""
+    flags = ["-O3", f"-march={march}", "-ffp-contract=off", "-fPIC", "-shared"]
+    command = [_compiler(), *flags, "-o", str(target), *map(str, SOURCES), "-lm"]
+    try:  # the threaded kernels need OpenMP; without it the rest still compiles (and those kernels say so)
+        subprocess.run([*command, "-fopenmp"], check=True, capture_output=True)
+    except subprocess.CalledProcessError:
+        subprocess.run(command, check=True, capture_output=True)
+
+
+def _compiler() -> str:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler (cc/gcc) on PATH")
+    return compiler
+
+
+def _compiled() -> Path:
+    """This CPU's build, cached by source hash and CPU flags."""
+    _compiler()  # no compiler: no kernels, even where an earlier build is cached
     sources = b"".join(source.read_bytes() for source in SOURCES + HEADERS)
     key = hashlib.sha256(sources + platform.machine().encode() + _cpu_flags()).hexdigest()[:16]
     target = _kernel_dir() / f"fused-{key}.so"
     if not target.is_file():
         tmp = target.with_suffix(f".tmp-{os.getpid()}.so")
-        flags = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared"]
-        command = [compiler, *flags, "-o", str(tmp), *map(str, SOURCES), "-lm"]
-        try:  # the threaded kernels need OpenMP; without it the rest still compiles (and those kernels say so)
-            subprocess.run([*command, "-fopenmp"], check=True, capture_output=True)
-        except subprocess.CalledProcessError:
-            subprocess.run(command, check=True, capture_output=True)
+        build(tmp)
         os.replace(tmp, target)
     return target
 
@@ -132,26 +148,6 @@ def argmax_available() -> bool:
 def gelu_mul_available() -> bool:
     """AVX-512F and OpenMP (see gelu.c)."""
     return _built("gelu_mul")
-
-
-def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """(T, 2F) bf16, rows contiguous → gelu_tanh(gate) · up, (T, F) bf16 (gelu.c)."""
-    if gate_up.stride(-1) != 1:
-        gate_up = gate_up.contiguous()
-    t, f = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(t, f, dtype=torch.bfloat16)
-    library().gelu_mul(gate_up.data_ptr(), gate_up.stride(0), t, f, out.data_ptr(), torch.get_num_threads())
-    return out
-
-
-def argmax_rows(x: torch.Tensor) -> list[int]:
-    """torch.argmax(x, dim=-1).tolist() for (rows, n) float32 logits: the C pass (argmax.c) where it compiled."""
-    if not (argmax_available() and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous()):
-        return x.argmax(dim=-1).tolist()
-    out = torch.empty(x.shape[0], dtype=torch.int64)
-    if library().argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads()):
-        raise MemoryError("argmax_rows: no memory for the per-segment results")
-    return out.tolist()
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -216,3 +212,23 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                        k_cache.shape[1], d, scale, out.data_ptr(), torch.get_num_threads()):
         raise ValueError(f"paged_attention: head_dim {d} unsupported or no memory for the scores")
     return out
+
+
+def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """(T, 2F) bf16, rows contiguous → gelu_tanh(gate) · up, (T, F) bf16 (gelu.c)."""
+    if gate_up.stride(-1) != 1:
+        gate_up = gate_up.contiguous()
+    t, f = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(t, f, dtype=torch.bfloat16)
+    library().gelu_mul(gate_up.data_ptr(), gate_up.stride(0), t, f, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def argmax_rows(x: torch.Tensor) -> list[int]:
+    """torch.argmax(x, dim=-1).tolist() for (rows, n) float32 logits: the C pass (argmax.c) where it compiled."""
+    if not (argmax_available() and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous()):
+        return x.argmax(dim=-1).tolist()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    if library().argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads()):
+        raise MemoryError("argmax_rows: no memory for the per-segment results")
+    return out.tolist()
