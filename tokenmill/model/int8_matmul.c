@@ -148,17 +148,6 @@ static void store_row(const float *sums, const float *scale, float row_scale, in
     }
 }
 
-static void row_tile_sums(const int16_t *q, int64_t k, const int8_t *w, float *sums, int rows) {
-    switch (rows) {
-        case 1: tile_sums(q, k, w, sums, 1); break;
-        case 2: tile_sums(q, k, w, sums, 2); break;
-        case 3: tile_sums(q, k, w, sums, 3); break;
-        case 4: tile_sums(q, k, w, sums, 4); break;
-        case 5: tile_sums(q, k, w, sums, 5); break;
-        default: tile_sums(q, k, w, sums, 6); break;
-    }
-}
-
 #elif defined(WITH_AVX2)
 /* The same arithmetic with AVX2: vpmaddwd (int16 pairs -> int32) and an add in place of vpdpwssd, 8 lanes, up to 6
  * rows of 2 blocks of 8 columns in registers. Same tiles, same exact int32 chunk sums, same float32 steps: the same
@@ -231,17 +220,6 @@ static inline __attribute__((always_inline)) void tile_sums(const int16_t *q, in
         }
 }
 
-static void row_tile_sums(const int16_t *q, int64_t k, const int8_t *w, float *sums, int rows) {
-    switch (rows) {
-        case 1: tile_sums(q, k, w, sums, 1); break;
-        case 2: tile_sums(q, k, w, sums, 2); break;
-        case 3: tile_sums(q, k, w, sums, 3); break;
-        case 4: tile_sums(q, k, w, sums, 4); break;
-        case 5: tile_sums(q, k, w, sums, 5); break;
-        default: tile_sums(q, k, w, sums, 6); break;
-    }
-}
-
 /* float32 -> bf16 for 8 lanes, round to nearest even; NaN stays NaN */
 static inline __m128i to_bf16_8(__m256 v) {
     __m256i u = _mm256_castps_si256(v);
@@ -275,6 +253,19 @@ static void store_row(const float *sums, const float *scale, float row_scale, in
 #endif
 
 #if defined(WITH_AVX512) || defined(WITH_AVX2)
+/* Rows [0, rows) of q (rows <= ROWS) against one tile, through the path's tile_sums */
+_Static_assert(ROWS == 6, "row_tile_sums dispatches 1 to 6 rows");
+static void row_tile_sums(const int16_t *q, int64_t k, const int8_t *w, float *sums, int rows) {
+    switch (rows) {
+        case 1: tile_sums(q, k, w, sums, 1); break;
+        case 2: tile_sums(q, k, w, sums, 2); break;
+        case 3: tile_sums(q, k, w, sums, 3); break;
+        case 4: tile_sums(q, k, w, sums, 4); break;
+        case 5: tile_sums(q, k, w, sums, 5); break;
+        default: tile_sums(q, k, w, sums, 6); break;
+    }
+}
+
 /* x (M, K) bf16, tiles as above, scale (N,) float32 -> out (M, N) bf16, or float32 if float_out. K % 32 == 0.
  * Returns 0, or -1 when the int16 scratch cannot be allocated. */
 int int8_matmul(const uint16_t *x, int64_t m, int64_t k, const int8_t *tiles, const float *scale, int64_t n,
