@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from tokenmill.gguf_tokenizer import build_gguf_tokenizer
 from tokenmill.tokenizer import Tokenizer
+from tokenmill.tokenizer.gguf import build_gguf_tokenizer
 
 CONTROL = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
 _PIECES = ["\n", "\n\n", "▁", "▁▁", "▁▁▁▁", "\t"] + [chr(c) for c in range(33, 127)]

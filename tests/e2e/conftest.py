@@ -158,7 +158,7 @@ def check_contract(openapi_contract: None) -> Iterator[None]:
 # --- the reference: transformers on the same weights ----------------------------------------------------------------
 @dataclass
 class Reference:
-    weights: Any  # tokenmill.model.loader.LoadedWeights, float32
+    weights: Any  # tokenmill.model.loading.loader.LoadedWeights, float32
     model: Any  # transformers' Gemma3ForCausalLM on those weights, float32, eval mode
 
 
@@ -167,7 +167,7 @@ def default_weights() -> Any:
     """The default model as the server loads it: float32 weights (HF names), tokenizer, source id."""
     import torch
 
-    from tokenmill.model.loader import load_model_files
+    from tokenmill.model.loading.loader import load_model_files
 
     return load_model_files(None, None, torch.float32)
 

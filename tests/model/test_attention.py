@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.model import fused
+from tokenmill.kernels import ops
 from tokenmill.model.attention import CHUNK, AttentionMetadata, paged_attention
 
 HQ, HKV, D = 4, 1, 32
@@ -43,17 +43,17 @@ def _use(kernel: str, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """bf16 attention runs the C kernel where it compiled (paged_attention.c); the torch path must hold up too.
     Returns a list that grows by one per C kernel call."""
     calls: list[int] = []
-    if kernel == "c" and not fused.paged_attention_available():
+    if kernel == "c" and not ops.paged_attention_available():
         pytest.skip("no AVX-512 or OpenMP: the torch path is the only path")
     if kernel == "torch":
-        monkeypatch.setattr(fused, "paged_attention_available", lambda: False)
-    c_kernel = fused.paged_attention
+        monkeypatch.setattr(ops, "paged_attention_available", lambda: False)
+    c_kernel = ops.paged_attention
 
     def counted(*args: object) -> torch.Tensor:
         calls.append(1)
         return c_kernel(*args)
 
-    monkeypatch.setattr(fused, "paged_attention", counted)
+    monkeypatch.setattr(ops, "paged_attention", counted)
     return calls
 
 
@@ -118,7 +118,7 @@ def test_long_prefill_is_split_into_row_slices_with_the_same_bits(monkeypatch: p
     assert torch.equal(whole, sliced)
 
 
-@pytest.mark.skipif(not fused.paged_attention_available(), reason="no AVX-512 or OpenMP: the torch path only")
+@pytest.mark.skipif(not ops.paged_attention_available(), reason="no AVX-512 or OpenMP: the torch path only")
 @pytest.mark.parametrize("window", [None, 100])
 @pytest.mark.parametrize(("hq", "hkv"), [(8, 2), (6, 1), (3, 3)])  # the kernel takes query heads 4 at a time
 def test_c_kernel_matches_float64_softmax_with_grouped_heads_at_the_real_head_size(

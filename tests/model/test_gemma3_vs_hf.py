@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from tokenmill.model.hf_reference import transformers_gemma3
-from tokenmill.model.loader import LoadedWeights, load_model_files
+from tokenmill.bench.hf_reference import transformers_gemma3
+from tokenmill.model.loading.loader import LoadedWeights, load_model_files
 from tokenmill.model.model_config import ModelConfig
 from tokenmill.model.registry import build_model
 

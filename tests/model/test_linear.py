@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.model import fused
+from tokenmill.kernels import ops
 from tokenmill.model.linear import (
     Int4Linear,
     Int8Linear,
@@ -53,7 +53,7 @@ def test_row_tiled_linear_keeps_the_shape_of_any_input() -> None:
     assert torch.allclose(layer(x), F.linear(x, weight()), atol=1e-5)
 
 
-tiled = pytest.mark.skipif(not fused.int8_matmul_available(), reason="no AVX-512 VNNI or no OpenMP: torch's kernel")
+tiled = pytest.mark.skipif(not ops.int8_matmul_available(), reason="no AVX-512 VNNI or no OpenMP: torch's kernel")
 
 
 @tiled
@@ -139,7 +139,7 @@ def test_tiled_int8_computes_exactly_the_documented_arithmetic() -> None:
     assert torch.equal(layer(x), expected.to(torch.bfloat16))
 
 
-@pytest.mark.skipif(not {b"avx2", b"fma"} <= set(fused._cpu_flags().split()), reason="the AVX2 build cannot run here")
+@pytest.mark.skipif(not {b"avx2", b"fma"} <= set(ops._cpu_flags().split()), reason="the AVX2 build cannot run here")
 def test_the_avx2_build_of_the_int8_matmul_gives_the_same_bits(tmp_path: Path) -> None:
     """The kernel has an AVX-512 and an AVX2 path; whichever this machine compiles natively, the AVX2 build must
     compute the documented arithmetic bit for bit (and so equal the AVX-512 path, tested above where it runs)."""
@@ -147,10 +147,10 @@ def test_the_avx2_build_of_the_int8_matmul_gives_the_same_bits(tmp_path: Path) -
 
     target = tmp_path / "avx2.so"
     try:
-        fused.build(target, march="haswell")
+        ops.build(target, march="haswell")
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("no compiler that builds for -march=haswell")
-    lib = fused.load(target)
+    lib = ops.load(target)
     if not lib.int8_matmul_available():
         pytest.skip("no OpenMP: the int8 kernel is not compiled in")
     assert lib.paged_attention_available() == 0  # AVX2 only, indeed

@@ -11,7 +11,7 @@ import torch
 
 from tests.tiny_model import write_tokenizer_files
 from tokenmill.model.llama import LlamaForCausalLM
-from tokenmill.model.loader import load_model_files
+from tokenmill.model.loading.loader import load_model_files
 
 SIZES = {
     "vocab_size": 512,

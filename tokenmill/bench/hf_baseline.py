@@ -21,7 +21,7 @@ from tokenmill.bench.load import PROMPTS
 
 
 def build_hf_gemma3(cfg: Any, state_dict: dict[str, Any], dtype: Any) -> Any:
-    from tokenmill.model.hf_reference import transformers_gemma3
+    from tokenmill.bench.hf_reference import transformers_gemma3
 
     if cfg.architecture != "gemma3":
         raise SystemExit(f"the transformers baseline maps Gemma 3 only, not {cfg.architecture}")
@@ -54,7 +54,7 @@ def measure(dtype_name: str, model_path: str | None, cache_dir: str | None, max_
             runs: int) -> dict[str, Any]:
     import torch
 
-    from tokenmill.model.loader import load_model_files
+    from tokenmill.model.loading.loader import load_model_files
 
     dtype = getattr(torch, dtype_name)
     start = time.perf_counter()

@@ -26,7 +26,7 @@ from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.engine.scheduler import Scheduler
-from tokenmill.memory import release_freed_memory
+from tokenmill.model.loading.memory import release_freed_memory
 from tokenmill.model.model_config import ModelConfig
 from tokenmill.tokenizer import Tokenizer
 
@@ -77,7 +77,7 @@ class AsyncEngine:
     def _load(config: Config) -> tuple[EngineCore, str, str]:
         import torch
 
-        from tokenmill.model.loader import load_model_files, save_prepared
+        from tokenmill.model.loading.loader import load_model_files, save_prepared
         from tokenmill.model.registry import build_model
 
         if config.threads:

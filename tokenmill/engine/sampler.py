@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.engine.sampling import SamplingParams
-from tokenmill.model.fused import argmax_rows
+from tokenmill.kernels.ops import argmax_rows
 
 
 @dataclass

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenmill.model import fused
+from tokenmill.kernels import ops
 
 CHUNK = 64  # keys per chunk
 ROW_TILE = 4  # fp32 matmuls compute rows in tiles of 4 and a partial tile with another kernel: pad to whole tiles
@@ -176,9 +176,9 @@ def paged_attention(
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     t, hq, d = q.shape
-    if fused.usable(q) and d % 16 == 0 and d <= fused.MAX_ATTENTION_HEAD_DIM and fused.paged_attention_available():
+    if ops.usable(q) and d % 16 == 0 and d <= ops.MAX_ATTENTION_HEAD_DIM and ops.paged_attention_available():
         keys = meta.key_lists(window)
-        return fused.paged_attention(q, k_cache, v_cache, keys.slots, keys.offset, keys.count, scale)
+        return ops.paged_attention(q, k_cache, v_cache, keys.slots, keys.offset, keys.count, scale)
     batches = meta.row_batches(window, hq * d)
     if len(batches) == 1 and len(batches[0].rows) == t:  # one batch holds every row, in order (a pure decode step)
         return _attend(q, k_cache, v_cache, batches[0], scale).reshape(t, hq, d).to(q.dtype)

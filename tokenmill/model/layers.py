@@ -6,14 +6,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.model import fused
+from tokenmill.kernels import ops
 
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32. Gemma scales by (1 + w) in float32 (`offset=1.0`); Llama by w after the cast.
 
     Gemma's float32 factor (1 + w) is computed once, on first use after loading (`factor`); in bfloat16 the norm is one
-    call of the fused C kernel (fused.py), else torch's rms_norm: a decode step runs over a hundred of these norms.
+    call of the fused C kernel (kernels/fused.c), else torch's rms_norm: a decode step runs over a hundred of these norms.
     """
 
     def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
@@ -32,15 +32,15 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.offset:
-            if fused.usable(x):
-                return fused.rms_norm(x, self.factor, self.eps)
+            if ops.usable(x):
+                return ops.rms_norm(x, self.factor, self.eps)
             return F.rms_norm(x.float(), self.weight.shape, self.factor, self.eps).to(x.dtype)
         return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
     def add_to(self, residual: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """residual + self(y): Gemma's norm after each sublayer, added back to the residual stream."""
-        if self.offset and fused.usable(y):
-            return fused.add_rms_norm(residual, y, self.factor, self.eps)
+        if self.offset and ops.usable(y):
+            return ops.add_rms_norm(residual, y, self.factor, self.eps)
         return residual + self(y)
 
 
@@ -76,15 +76,15 @@ def norm_rotary(
     x: torch.Tensor, factor: torch.Tensor, eps: float, cos: torch.Tensor, signed_sin: torch.Tensor
 ) -> torch.Tensor:
     """x: (T, H, D). Each head RMS-normed with its row of `factor` ((H, D) float32), then rotated (Gemma's q/k)."""
-    if fused.usable(x) and x.shape[-1] <= fused.MAX_HEAD_DIM:
-        return fused.norm_rotary(x, factor, cos[:, 0], signed_sin[:, 0], eps)
+    if ops.usable(x) and x.shape[-1] <= ops.MAX_HEAD_DIM:
+        return ops.norm_rotary(x, factor, cos[:, 0], signed_sin[:, 0], eps)
     normed = (F.rms_norm(x.float(), (x.shape[-1],), None, eps) * factor).to(x.dtype)
     return apply_rotary(normed, cos, signed_sin)
 
 
 def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """(T, 2F) → gelu_tanh(gate) · up, (T, F): Gemma's gated MLP activation (bf16: one C pass, fused.gelu_mul)."""
-    if gate_up.dim() == 2 and gate_up.shape[1] % 32 == 0 and fused.usable(gate_up) and fused.gelu_mul_available():
-        return fused.gelu_mul(gate_up)
+    """(T, 2F) → gelu_tanh(gate) · up, (T, F): Gemma's gated MLP activation (bf16: one C pass, ops.gelu_mul)."""
+    if gate_up.dim() == 2 and gate_up.shape[1] % 32 == 0 and ops.usable(gate_up) and ops.gelu_mul_available():
+        return ops.gelu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up

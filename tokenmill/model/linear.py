@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.config import QUANTIZATIONS
-from tokenmill.model import fused
+from tokenmill.kernels import ops
 
 INT4_GROUP = 32  # GGUF's quantisation blocks are 32 wide too
 FP32_ROW_TILE = 4
@@ -81,7 +81,7 @@ class TiledInt8Linear(nn.Module):
 
     @staticmethod
     def fits(weight: torch.Tensor) -> bool:
-        return weight.dtype == torch.bfloat16 and weight.shape[1] % INT8_TILED_K == 0 and fused.int8_matmul_available()
+        return weight.dtype == torch.bfloat16 and weight.shape[1] % INT8_TILED_K == 0 and ops.int8_matmul_available()
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> TiledInt8Linear:
@@ -96,7 +96,7 @@ class TiledInt8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         shape = x.shape
-        out = fused.int8_matmul(x.reshape(-1, shape[-1]), self.tiles, self.scale, self.out_features, out_dtype)
+        out = ops.int8_matmul(x.reshape(-1, shape[-1]), self.tiles, self.scale, self.out_features, out_dtype)
         return out.reshape(*shape[:-1], self.out_features)
 
     def dequantized_rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -108,7 +108,7 @@ class Int8Embedding(nn.Module):
     """Embedding rows read from the tied int8 LM head (row = q[id] * scale[id]): no second, full-precision table.
 
     The head's tensors are shared, not registered again, so a state dict holds them once (under lm_head).
-    Effect on scoring (bench/scoring_drift.py): mean |Δ logprob| vs float32 0.079 → 0.087 nats per token.
+    Effect on scoring (scripts/scoring_drift.py): mean |Δ logprob| vs float32 0.079 → 0.087 nats per token.
     """
 
     def __init__(self, head: Int8Linear | TiledInt8Linear) -> None:
@@ -220,7 +220,7 @@ def _look_up_in_int8_head(model: nn.Module) -> None:
 
 def prepared_layout(dtype: torch.dtype, quantization: str) -> str:
     """Names the layout prepare_linears gives int8 weights here, for the prepared-weights cache file's name."""
-    tiled = quantization == "int8" and dtype == torch.bfloat16 and fused.int8_matmul_available()
+    tiled = quantization == "int8" and dtype == torch.bfloat16 and ops.int8_matmul_available()
     return "tiled" if tiled else "plain"
 
 

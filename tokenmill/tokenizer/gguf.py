@@ -14,7 +14,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
 from tokenmill.model.model_config import UnsupportedModelError
-from tokenmill.tokenizer import SpecialTokens
+from tokenmill.tokenizer.special import SpecialTokens
 
 SPACE = "\u2581"  # SentencePiece's visible space
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types

@@ -1,6 +1,6 @@
 """In-process decode speed of the engine (no HTTP): greedy, EOS banned, a batch of identical prompts.
 
-    python bench/engine_speed.py --dtype bfloat16 --batch 1 16 --tokens 64
+    python scripts/engine_speed.py --dtype bfloat16 --batch 1 16 --tokens 64
 """
 
 from __future__ import annotations

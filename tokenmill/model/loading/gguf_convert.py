@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from tokenmill.model.gguf_file import GgufTensor, read_gguf_file
+from tokenmill.model.loading.gguf_file import GgufTensor, read_gguf_file
 from tokenmill.model.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
 from tokenmill.tokenizer import Tokenizer
 

@@ -1,4 +1,4 @@
-"""The fused bfloat16 kernels (tokenmill/model/fused.c) against the torch ops they replace, and batch invariance."""
+"""The fused bfloat16 kernels (tokenmill/kernels/fused.c) against the torch ops they replace, and batch invariance."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.model import fused
+from tokenmill.kernels import ops
 from tokenmill.model.layers import RMSNorm, Rotary, apply_rotary, gelu_mul, norm_rotary
 
-pytestmark = pytest.mark.skipif(fused.library() is None, reason="no C compiler: the torch path is the only path")
+pytestmark = pytest.mark.skipif(ops.library() is None, reason="no C compiler: the torch path is the only path")
 BF16 = torch.bfloat16
 EPS = 1e-6
 
@@ -34,9 +34,9 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
 def test_rms_norm_equals_torch_and_its_residual_add_too() -> None:
     x, y, norm = _randn(7, 640, scale=30.0), _randn(7, 640, seed=1, scale=5.0), _norm(640)
     torch_path = F.rms_norm(x.float(), (640,), norm.factor, EPS).to(BF16)
-    assert _ulps(fused.rms_norm(x, norm.factor, EPS), torch_path) <= 1
+    assert _ulps(ops.rms_norm(x, norm.factor, EPS), torch_path) <= 1
     expected = y + F.rms_norm(x.float(), (640,), norm.factor, EPS).to(BF16)
-    assert _ulps(fused.add_rms_norm(y, x, norm.factor, EPS), expected) <= 1
+    assert _ulps(ops.add_rms_norm(y, x, norm.factor, EPS), expected) <= 1
 
 
 def test_norm_rotary_equals_norm_then_rotary_on_strided_heads() -> None:
@@ -47,7 +47,7 @@ def test_norm_rotary_equals_norm_then_rotary_on_strided_heads() -> None:
     cos, signed_sin = Rotary(d, 10_000.0)(torch.arange(100, 100 + t), BF16)
     normed = (F.rms_norm(x.float(), (d,), None, EPS) * factor).to(BF16)
     expected = apply_rotary(normed, cos, signed_sin)
-    got = fused.norm_rotary(x, factor, cos[:, 0], signed_sin[:, 0], EPS)
+    got = ops.norm_rotary(x, factor, cos[:, 0], signed_sin[:, 0], EPS)
     torch.testing.assert_close(got.float(), expected.float(), rtol=1e-2, atol=1e-2)
     assert (got != expected).float().mean() < 0.02  # rounding points identical: only rare last-bit ties differ
 
@@ -69,7 +69,7 @@ def test_rows_do_not_depend_on_the_batch() -> None:
 def test_without_a_compiler_the_torch_path_computes_the_same_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     x, norm = _randn(3, 640, seed=7, scale=10.0), _norm(640)
     with_kernels = (norm(x), gelu_mul(torch.cat([x, x], dim=-1)))
-    monkeypatch.setattr(fused, "library", lambda: None)
+    monkeypatch.setattr(ops, "library", lambda: None)
     without = (norm(x), gelu_mul(torch.cat([x, x], dim=-1)))
     assert _ulps(with_kernels[0], without[0]) <= 1
     torch.testing.assert_close(with_kernels[1].float(), without[1].float(), rtol=1e-2, atol=1e-2)
@@ -79,16 +79,16 @@ def test_a_compiler_without_openmp_still_builds_the_norms_and_says_the_threaded_
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     wrapper = tmp_path / "cc-without-openmp"
-    wrapper.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && exit 1; done\nexec {fused._compiler()} "$@"\n')
+    wrapper.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && exit 1; done\nexec {ops._compiler()} "$@"\n')
     wrapper.chmod(0o755)
     monkeypatch.setenv("CC", str(wrapper))
-    fused.build(tmp_path / "kernels.so")
-    lib = fused.load(tmp_path / "kernels.so")
+    ops.build(tmp_path / "kernels.so")
+    lib = ops.load(tmp_path / "kernels.so")
     assert lib.int8_matmul_available() == 0 and lib.paged_attention_available() == 0
     assert lib.rms_norm  # the norms are there
 
 
-@pytest.mark.skipif(not fused.argmax_available(), reason="no AVX-512 or OpenMP: torch.argmax")
+@pytest.mark.skipif(not ops.argmax_available(), reason="no AVX-512 or OpenMP: torch.argmax")
 def test_argmax_rows_is_torch_argmax_with_ties_nans_and_infinities() -> None:
     n = 3 * 32768 + 7  # several segments and a ragged tail
     x = torch.randn(9, n, generator=torch.Generator().manual_seed(11))
@@ -101,24 +101,24 @@ def test_argmax_rows_is_torch_argmax_with_ties_nans_and_infinities() -> None:
     x[6, 33000] = float("inf")
     x[7, :20] = float("nan")
     x[8, 17] = x[8, 18] = 99.0  # a tie within one vector
-    assert fused.argmax_rows(x) == x.argmax(dim=-1).tolist()
-    assert fused.argmax_rows(x[:1]) == [int(x[0].argmax())]
+    assert ops.argmax_rows(x) == x.argmax(dim=-1).tolist()
+    assert ops.argmax_rows(x[:1]) == [int(x[0].argmax())]
     short = x[:, :10].contiguous()  # shorter than a vector
-    assert fused.argmax_rows(short) == short.argmax(dim=-1).tolist()
+    assert ops.argmax_rows(short) == short.argmax(dim=-1).tolist()
 
 
-@pytest.mark.skipif(not fused.gelu_mul_available(), reason="no AVX-512 or OpenMP: torch's ops")
+@pytest.mark.skipif(not ops.gelu_mul_available(), reason="no AVX-512 or OpenMP: torch's ops")
 def test_gated_gelu_kernel_matches_the_formula_on_strided_rows() -> None:
     import math
 
     f = 2048
     wide = _randn(7, 2 * f + 64, seed=12, scale=3.0)
     gate_up = wide[:, : 2 * f]  # rows 2F + 64 apart, as a slice of a wider projection would be
-    got = fused.gelu_mul(gate_up).double()
+    got = ops.gelu_mul(gate_up).double()
     g, up = gate_up[:, :f].double(), gate_up[:, f:].double()
     u = math.sqrt(2 / math.pi) * (g + 0.044715 * g**3)
     gelu = g / (1 + torch.exp(-2 * u))  # = g/2 (1 + tanh(u)), without that form's cancellation for large negative g
     expected = gelu.to(BF16).double() * up  # torch's bf16 intermediate, then the product
     # the product's bf16 rounding (2^-8), and at most one bf16 step on the intermediate where float32 sits on a tie
     assert (got - expected).abs().le(2.0**-7 * expected.abs() + 1e-30).all()
-    assert torch.equal(fused.gelu_mul(gate_up[2:3])[0], fused.gelu_mul(gate_up)[2].to(BF16))  # rows independent
+    assert torch.equal(ops.gelu_mul(gate_up[2:3])[0], ops.gelu_mul(gate_up)[2].to(BF16))  # rows independent

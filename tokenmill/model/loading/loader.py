@@ -29,9 +29,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tokenmill.config import DEFAULT_MODEL_NAME
-from tokenmill.memory import release_freed_memory
-from tokenmill.model.hf_dir import read_hf_config, read_hf_state_dict
 from tokenmill.model.linear import prepared_layout
+from tokenmill.model.loading.hf_dir import read_hf_config, read_hf_state_dict
+from tokenmill.model.loading.memory import release_freed_memory
 from tokenmill.model.model_config import ModelConfig
 from tokenmill.tokenizer import Tokenizer
 
@@ -127,7 +127,7 @@ def load_gguf(
             release_freed_memory()  # the tokenizer's JSON parse leaves ~190 MB of freed heap: return it before the weights
             return LoadedWeights(config, _load_aligned(prepared), tokenizer, source_id, name, entry, True)
         return _read_entry(entry, dtype, source_id, name)
-    from tokenmill.model.gguf_convert import read_gguf  # gguf is only needed on a cache miss
+    from tokenmill.model.loading.gguf_convert import read_gguf  # gguf is only needed on a cache miss
 
     model = read_gguf(str(locate()))
     try:

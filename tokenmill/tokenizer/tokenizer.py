@@ -9,27 +9,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import processors
 
+from tokenmill.tokenizer.gguf import build_gguf_tokenizer
+from tokenmill.tokenizer.special import SpecialTokens, special_from_dir
+
 SETTINGS_FILE = "tokenmill_tokenizer.json"
 TOKENIZER_FILE = "tokenizer.json"
-
-
-@dataclass(frozen=True)
-class SpecialTokens:
-    """The special-token settings a bare tokenizer.json does not carry."""
-
-    bos_token: str | None = None
-    eos_token: str | None = None
-    pad_token: str | None = None
-    add_bos: bool = False
-    add_eos: bool = False
-    extra_eos_tokens: tuple[str, ...] = field(default=())  # other tokens that end generation (e.g. <end_of_turn>)
 
 
 class Tokenizer:
@@ -114,8 +105,6 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, metadata: Mapping[str, Any]) -> Tokenizer:
         """From GGUF metadata values (`tokenizer.ggml.*` and `general.architecture`) as plain Python values."""
-        from tokenmill.gguf_tokenizer import build_gguf_tokenizer  # imports this module: import lazily
-
         backend, special = build_gguf_tokenizer(metadata)
         return cls(backend, special)
 
@@ -126,7 +115,7 @@ class Tokenizer:
         if not (path / TOKENIZER_FILE).exists():
             raise FileNotFoundError(f"{path} has no {TOKENIZER_FILE}; only fast (tokenizers) tokenizers are supported")
         backend = HFTokenizer.from_file(str(path / TOKENIZER_FILE))
-        return cls(backend, _special_from_dir(path, backend))
+        return cls(backend, special_from_dir(path, backend))
 
 
 def _set_post_processor(tok: HFTokenizer, special: SpecialTokens, bos_id: int | None, eos_id: int | None) -> None:
@@ -143,51 +132,3 @@ def _set_post_processor(tok: HFTokenizer, special: SpecialTokens, bos_id: int | 
     tok.post_processor = processors.TemplateProcessing(
         single=single, pair=pair, special_tokens=list(dict(tokens).items())
     )
-
-
-# --- Hugging Face directories ---------------------------------------------------------------------------------------
-def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-def _token_text(value: Any) -> str | None:
-    """A special token as configs spell it: a string or an AddedToken dict."""
-    if isinstance(value, dict):
-        return value.get("content")
-    return value if isinstance(value, str) else None
-
-
-def _special_from_dir(path: Path, backend: HFTokenizer) -> SpecialTokens:
-    config = _read_json(path / "tokenizer_config.json")
-    special_map = _read_json(path / "special_tokens_map.json")
-
-    def token(name: str) -> str | None:
-        return _token_text(config.get(name)) or _token_text(special_map.get(name))
-
-    bos, eos = token("bos_token"), token("eos_token")
-    add_bos = config.get("add_bos_token")
-    if add_bos is None:  # no explicit flag: trust tokenizer.json's own post-processor
-        add_bos = bos is not None and _post_processor_adds(backend, bos)
-    return SpecialTokens(
-        bos_token=bos,
-        eos_token=eos,
-        pad_token=token("pad_token"),
-        add_bos=bool(add_bos),
-        add_eos=bool(config.get("add_eos_token", False)),
-        extra_eos_tokens=_generation_eos_tokens(path, backend),
-    )
-
-
-def _post_processor_adds(backend: HFTokenizer, token: str) -> bool:
-    token_id = backend.token_to_id(token)
-    ids = backend.encode("a", add_special_tokens=True).ids
-    return token_id is not None and bool(ids) and ids[0] == token_id
-
-
-def _generation_eos_tokens(path: Path, backend: HFTokenizer) -> tuple[str, ...]:
-    ids = _read_json(path / "generation_config.json").get("eos_token_id")
-    if ids is None:
-        ids = _read_json(path / "config.json").get("eos_token_id")
-    ids = [ids] if isinstance(ids, int) else list(ids or [])
-    tokens = (backend.id_to_token(i) for i in ids)
-    return tuple(t for t in tokens if t is not None)

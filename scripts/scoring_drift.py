@@ -1,6 +1,6 @@
 """How far each compute mode's echo-scored logprobs drift from the float32 reference on the same weights.
 
-    python bench/scoring_drift.py            # 600 tokens of README.md, modes bf16, bf16+int8, bf16+int4
+    python scripts/scoring_drift.py            # 600 tokens of README.md, modes bf16, bf16+int8, bf16+int4
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.model.linear import prepare_linears
-from tokenmill.model.loader import load_model_files
+from tokenmill.model.loading.loader import load_model_files
 from tokenmill.model.registry import build_model
 
 TEXT = (Path(__file__).resolve().parents[1] / "README.md").read_text()[:3000]
