@@ -1,6 +1,6 @@
 """In-process decode speed of the engine (no HTTP): greedy, EOS banned, a batch of identical prompts.
 
-    python scripts/engine_speed.py --dtype bfloat16 --batch 1 16 --tokens 64
+python scripts/engine_speed.py --dtype bfloat16 --batch 1 16 --tokens 64
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ def main() -> None:
         print(engine.run_in_engine_thread(lambda b=batch: measure(core, prompt, b, args.tokens, ban_eos, args)))
 
 
-def measure(core: EngineCore, prompt: list[int], batch: int, tokens: int, ban_eos: dict[int, float],
-            args: argparse.Namespace) -> str:
+def measure(
+    core: EngineCore, prompt: list[int], batch: int, tokens: int, ban_eos: dict[int, float], args: argparse.Namespace
+) -> str:
     for i in range(batch):
         params = SamplingParams(max_tokens=tokens, temperature=0.0, logit_bias=ban_eos)
         core.add_request(f"{batch}-{i}", prompt, params)
@@ -39,8 +40,11 @@ def measure(core: EngineCore, prompt: list[int], batch: int, tokens: int, ban_eo
         core.step()
         steps += 1
     elapsed = time.perf_counter() - start
-    return (f"dtype={args.dtype} quantization={args.quantization} batch={batch} steps={steps} "
-            f"aggregate={batch * tokens / elapsed:.1f} tok/s")
+    return (
+        f"dtype={args.dtype} quantization={args.quantization} batch={batch} steps={steps} "
+        f"aggregate={batch * tokens / elapsed:.1f} tok/s"
+    )
+
 
 if __name__ == "__main__":
     main()

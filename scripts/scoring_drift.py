@@ -1,6 +1,6 @@
 """How far each compute mode's echo-scored logprobs drift from the float32 reference on the same weights.
 
-    python scripts/scoring_drift.py            # 600 tokens of README.md, modes bf16, bf16+int8, bf16+int4
+python scripts/scoring_drift.py            # 600 tokens of README.md, modes bf16, bf16+int8, bf16+int4
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ def main() -> None:
     reference = token_logprobs(*MODES[0])
     for dtype, quantization in MODES[1:]:
         drift = (token_logprobs(dtype, quantization) - reference).abs()
-        print(f"{dtype} {quantization}: mean |Δ logprob| {drift.mean():.4f}, max {drift.max():.3f} "
-              f"over {len(drift)} tokens")
+        print(
+            f"{dtype} {quantization}: mean |Δ logprob| {drift.mean():.4f}, max {drift.max():.3f} "
+            f"over {len(drift)} tokens"
+        )
 
 
 if __name__ == "__main__":

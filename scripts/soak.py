@@ -247,8 +247,9 @@ def main() -> int:
             if server is not None:
                 server.start(timeout_s=600)
             start = time.monotonic()
-            tally = asyncio.run(asyncio.wait_for(soak(args, base_url, server.pid if server else args.pid),
-                                                 args.timeout_s))
+            tally = asyncio.run(
+                asyncio.wait_for(soak(args, base_url, server.pid if server else args.pid), args.timeout_s)
+            )
             return 0 if report(args, tally, time.monotonic() - start) else 1
         finally:
             if server is not None:

@@ -22,8 +22,12 @@ def completion(**choice: Any) -> dict[str, Any]:
     }
 
 
-ECHO_LOGPROBS = {"tokens": ["<bos>", "a"], "token_logprobs": [None, -1.5], "top_logprobs": [None, {"a": -1.5}],
-                 "text_offset": [0, 0]}
+ECHO_LOGPROBS = {
+    "tokens": ["<bos>", "a"],
+    "token_logprobs": [None, -1.5],
+    "top_logprobs": [None, {"a": -1.5}],
+    "text_offset": [0, 0],
+}
 
 
 def test_valid_completion_and_the_echo_nulls_pass() -> None:
@@ -40,8 +44,10 @@ def test_valid_completion_and_the_echo_nulls_pass() -> None:
         ({"usage": None}, "usage"),
         ({"choices": [{"text": "x", "index": 0, "logprobs": None}]}, "choices/0"),
         ({"choices": [{"text": "x", "index": 0, "logprobs": None, "finish_reason": "eos"}]}, "finish_reason"),
-        ({"choices": [{"text": "x", "index": 0, "logprobs": {"token_logprobs": ["-1"]}, "finish_reason": None}]},
-         "choices/0"),
+        (
+            {"choices": [{"text": "x", "index": 0, "logprobs": {"token_logprobs": ["-1"]}, "finish_reason": None}]},
+            "choices/0",
+        ),
     ],
 )
 def test_broken_completions_are_caught(change: dict[str, Any], where: str) -> None:

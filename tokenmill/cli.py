@@ -74,8 +74,10 @@ def show_model(config: Config) -> int:
     from tokenmill.engine.engine import AsyncEngine
 
     engine = AsyncEngine.from_config(config)
-    print(f"model: {engine.model_name}\nmax_model_len: {engine.max_model_len}\n"
-          f"system_fingerprint: {engine.system_fingerprint}\nkv blocks: {engine.core.blocks.num_blocks}")
+    print(
+        f"model: {engine.model_name}\nmax_model_len: {engine.max_model_len}\n"
+        f"system_fingerprint: {engine.system_fingerprint}\nkv blocks: {engine.core.blocks.num_blocks}"
+    )
     return 0
 
 

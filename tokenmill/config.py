@@ -25,10 +25,13 @@ class Config:
     # --- model ---
     model: str | None = _opt(None, "GGUF file or Hugging Face model directory; default: the packaged Gemma 3 270M")
     served_model_name: str | None = _opt(None, "model id in the API; default: gemma-3-270m, or the model's name")
-    dtype: str = _opt("bfloat16", "compute dtype; float32 gives logits equal to the transformers reference", choices=DTYPES)
+    dtype: str = _opt(
+        "bfloat16", "compute dtype; float32 gives logits equal to the transformers reference", choices=DTYPES
+    )
     quantization: str | None = _opt(
-        None, "weight-only quantisation of the linear layers and LM head; default: int8 with bfloat16, none with "
-        "float32", choices=QUANTIZATIONS,
+        None,
+        "weight-only quantisation of the linear layers and LM head; default: int8 with bfloat16, none with float32",
+        choices=QUANTIZATIONS,
     )
     cache_dir: str | None = _opt(None, "where converted weights and tokenizers are cached; default: user cache dir")
     max_model_len: int | None = _opt(None, "context length served; default: min(model's, 8192)")

@@ -48,8 +48,7 @@ class FreshEngineApp:
 
 def fuzz_schema() -> Any:
     schema = schemathesis.openapi.from_asgi("/openapi.json", FreshEngineApp()).include(path_regex=OPERATIONS)
-    schema.config.generation.update(modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE],
-                                    max_examples=MAX_EXAMPLES)
+    schema.config.generation.update(modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE], max_examples=MAX_EXAMPLES)
     return schema
 
 

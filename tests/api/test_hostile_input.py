@@ -99,7 +99,8 @@ def test_api_keys_are_compared_in_constant_time_and_never_logged(
     with TestClient(create_app(tiny_engine(), config), raise_server_exceptions=False) as secured:
         wrong = secured.post("/v1/completions", json={"model": MODEL}, headers={"Authorization": f"Bearer {SECRET}x"})
         right = secured.post(
-            "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1},
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 1},
             headers={"Authorization": f"Bearer {SECRET}"},
         )
     error = assert_openai_error(wrong, 401, "invalid_api_key")

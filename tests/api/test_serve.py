@@ -45,10 +45,25 @@ def free_port() -> int:
 @contextmanager
 def serve(model_dir: Path, tmp_path: Path, *flags: str) -> Iterator[Server]:
     port, log = free_port(), tmp_path / f"server-{time.monotonic_ns()}.log"
-    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--model", str(model_dir), "--cache-dir", str(tmp_path),
-           "--host", "127.0.0.1", "--port", str(port), *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tokenmill.cli",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--cache-dir",
+        str(tmp_path),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *flags,
+    ]
     with log.open("wb") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        process = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
     server = Server(f"http://127.0.0.1:{port}", process, log)
     try:
         _wait_healthy(server)

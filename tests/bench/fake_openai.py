@@ -58,5 +58,6 @@ class FakeOpenAI:
         self.in_flight -= 1  # before [DONE]: the client stops reading there
         yield b"data: [DONE]\n\n"
 
+
 def _event(chunk: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(chunk)}\n\n".encode()

@@ -25,8 +25,10 @@ def test_a_ratio_over_zero_or_missing_is_none() -> None:
 
 
 def test_table_has_a_column_per_system_and_ratio_and_skips_empty_rows() -> None:
-    systems = {"tokenmill": {"decode_tok_s": 80.0, "ttft_s": 0.05, "c4_agg_tok_s": 200.0},
-               "peer": {"decode_tok_s": 64.0, "ttft_s": 0.1, "c4_agg_tok_s": None}}
+    systems = {
+        "tokenmill": {"decode_tok_s": 80.0, "ttft_s": 0.05, "c4_agg_tok_s": 200.0},
+        "peer": {"decode_tok_s": 64.0, "ttft_s": 0.1, "c4_agg_tok_s": None},
+    }
     lines = format_table(systems, [1, 4]).splitlines()
     assert lines[0].split() == ["figure", "unit", "tokenmill", "peer", "tokenmill/peer"]
     decode = next(line for line in lines if line.startswith("single-stream decode"))

@@ -21,8 +21,24 @@ def test_bench_on_a_url_prints_the_table_and_writes_json(
     fake = FakeOpenAI()
     monkeypatch.setattr(run, "bench_url", functools.partial(bench_url, transport=fake.transport()))
     out = tmp_path / "bench.json"
-    argv = ["bench", "--url", "http://127.0.0.1:9", "--requests", "4", "--max-tokens", "8", "--concurrency", "1", "2",
-            "--rounds", "2", "--api-key", "secret", "--json", str(out)]
+    argv = [
+        "bench",
+        "--url",
+        "http://127.0.0.1:9",
+        "--requests",
+        "4",
+        "--max-tokens",
+        "8",
+        "--concurrency",
+        "1",
+        "2",
+        "--rounds",
+        "2",
+        "--api-key",
+        "secret",
+        "--json",
+        str(out),
+    ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "single-stream decode" in printed and "2 clients: aggregate" in printed
@@ -48,23 +64,44 @@ def test_refused_runs_exit_2_without_sending_anything(argv: list[str], capsys: p
 
 
 def server_pass(decode: float, agg16: float, early: int = 0, failed: int = 0) -> dict[str, Any]:
-    level = {"concurrency": 16, "requests": 32, "failed": failed, "early_stops": early, "tokens_exact": True,
-             "agg_tok_s": agg16, "latency_p50_s": 1.0, "latency_p99_s": 2.0, "ttft_p50_s": 0.1, "ttft_p99_s": 0.2}
+    level = {
+        "concurrency": 16,
+        "requests": 32,
+        "failed": failed,
+        "early_stops": early,
+        "tokens_exact": True,
+        "agg_tok_s": agg16,
+        "latency_p50_s": 1.0,
+        "latency_p99_s": 2.0,
+        "ttft_p50_s": 0.1,
+        "ttft_p99_s": 0.2,
+    }
     single = {"requests": 2, "failed": 0, "early_stops": 0, "decode_tok_s": decode, "ttft_s": 0.05}
     return {"single": single, "levels": [level]}
 
 
 def test_system_figures_are_medians_over_rounds_plus_memory_and_startup() -> None:
-    system = {"passes": [server_pass(60.0, 300.0), server_pass(80.0, 500.0)], "peak_rss_mb": 900.0,
-              "startup_first_s": 12.0, "startup_s": [2.0, 3.0, 4.0]}
+    system = {
+        "passes": [server_pass(60.0, 300.0), server_pass(80.0, 500.0)],
+        "peak_rss_mb": 900.0,
+        "startup_first_s": 12.0,
+        "startup_s": [2.0, 3.0, 4.0],
+    }
     figures = run.system_figures(system)
     assert figures["decode_tok_s"] == 70.0 and figures["c16_agg_tok_s"] == 400.0
     assert figures["peak_rss_mb"] == 900.0 and figures["startup_first_s"] == 12.0 and figures["startup_s"] == 3.0
 
 
 def test_a_transformers_batch_fills_the_clients_row_of_its_batch_size() -> None:
-    hf = {"dtype": "bfloat16", "decode_tok_s": 17.0, "ttft_s": 0.1, "batch16_agg_tok_s": 150.0, "batch": 16,
-          "peak_rss_mb": 2000.0, "load_s": 3.0}
+    hf = {
+        "dtype": "bfloat16",
+        "decode_tok_s": 17.0,
+        "ttft_s": 0.1,
+        "batch16_agg_tok_s": 150.0,
+        "batch": 16,
+        "peak_rss_mb": 2000.0,
+        "load_s": 3.0,
+    }
     figures = run.system_figures({"passes": [hf, hf]})
     assert figures == {"decode_tok_s": 17.0, "ttft_s": 0.1, "c16_agg_tok_s": 150.0, "peak_rss_mb": 2000.0}
 

@@ -48,8 +48,12 @@ def test_decode_rate_counts_tokens_after_the_first_over_first_to_last() -> None:
 
 
 def test_level_summary_aggregates_over_wall_time_and_leaves_out_failures() -> None:
-    results = [ok(1.0, 0.1, 10), ok(2.0, 0.2, 10), ok(3.0, 0.3, 8, finish="stop"),
-               RequestResult(False, 0.5, None, None, 0, True, None, "HTTP 500")]
+    results = [
+        ok(1.0, 0.1, 10),
+        ok(2.0, 0.2, 10),
+        ok(3.0, 0.3, 8, finish="stop"),
+        RequestResult(False, 0.5, None, None, 0, True, None, "HTTP 500"),
+    ]
     summary = summarize_level(results, wall_s=4.0, concurrency=2)
     assert summary["requests"] == 4 and summary["failed"] == 1 and summary["early_stops"] == 1
     assert summary["completion_tokens"] == 28

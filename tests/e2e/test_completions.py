@@ -73,8 +73,9 @@ def test_stop_sequence_is_never_returned(server: Server) -> None:
     assert r.choices[0].text == plain[: plain.index(stop)] and r.choices[0].finish_reason == "stop"
     streamed = "".join(
         c.choices[0].text
-        for c in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0, stop=[stop],
-                                           stream=True)
+        for c in client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0, stop=[stop], stream=True
+        )
         if c.choices
     )
     assert streamed == r.choices[0].text

@@ -16,8 +16,30 @@ from tokenmill.engine.detok import IncrementalDetokenizer
 
 REPLACEMENT = "\ufffd"
 characters = st.characters(exclude_characters=REPLACEMENT, exclude_categories=("Cs",))
-words = st.sampled_from(["the", " capital", " of", "\n\n", "    ", "def", "(", "):", "日本語", "文本", "🎉", "👩‍👩‍👧",
-                         "café", " naïve", "Straße", "\t", "1234", "<b>", "<eos>", "é"])
+words = st.sampled_from(
+    [
+        "the",
+        " capital",
+        " of",
+        "\n\n",
+        "    ",
+        "def",
+        "(",
+        "):",
+        "日本語",
+        "文本",
+        "🎉",
+        "👩‍👩‍👧",
+        "café",
+        " naïve",
+        "Straße",
+        "\t",
+        "1234",
+        "<b>",
+        "<eos>",
+        "é",
+    ]
+)
 texts = st.lists(st.one_of(st.text(characters, max_size=6), words), max_size=12).map("".join)
 
 

@@ -33,8 +33,9 @@ def evaluate(lm: Any) -> tuple[float, dict[int, list[float]]]:
     from lm_eval.tasks import TaskManager
 
     tasks = TaskManager(include_defaults=False)  # only the task given here: skips indexing lm-eval's thousands
-    out = simple_evaluate(model=lm, tasks=[task_config()], task_manager=tasks, log_samples=True, bootstrap_iters=0,
-                          random_seed=0)
+    out = simple_evaluate(
+        model=lm, tasks=[task_config()], task_manager=tasks, log_samples=True, bootstrap_iters=0, random_seed=0
+    )
     assert out is not None
     accuracy = out["results"]["tokenmill_mcq"]["acc,none"]
     logliks = {s["doc_id"]: [float(r[0]) for r in s["filtered_resps"]] for s in out["samples"]["tokenmill_mcq"]}
@@ -72,8 +73,9 @@ def test_lm_eval_local_completions_equals_hf_backend(
 
     assert len(served) == len(local) == 40
     worst = max(abs(a - b) for doc in served for a, b in zip(served[doc], local[doc], strict=True))
-    print(f"lm-eval tokenmill_mcq: accuracy {served_acc:.3f} (tokenmill) vs {hf_acc:.3f} (hf); "
-          f"max |Δ loglik| {worst:.2e}")
+    print(
+        f"lm-eval tokenmill_mcq: accuracy {served_acc:.3f} (tokenmill) vs {hf_acc:.3f} (hf); max |Δ loglik| {worst:.2e}"
+    )
     assert served_acc == hf_acc
     assert worst <= TOLERANCE
     # Picking by log-likelihood is what accuracy measures; check it item by item too.

@@ -66,14 +66,24 @@ def test_greedy_generation_and_its_logprobs_equal_transformers(server: Server, r
         ids = tokenizer.encode(prompt)
         with torch.no_grad():
             out = reference.model.generate(
-                torch.tensor([ids]), max_new_tokens=GENERATED_TOKENS, min_new_tokens=GENERATED_TOKENS,
-                do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+                torch.tensor([ids]),
+                max_new_tokens=GENERATED_TOKENS,
+                min_new_tokens=GENERATED_TOKENS,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
             )
         hf_ids = out.sequences[0, len(ids) :].tolist()
         hf_logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, hf_ids)]
 
-        body = {"prompt": ids, "max_tokens": GENERATED_TOKENS, "temperature": 0, "logprobs": 1,
-                "logit_bias": {str(i): -100 for i in tokenizer.eos_ids}}  # as min_new_tokens: no early EOS
+        body = {
+            "prompt": ids,
+            "max_tokens": GENERATED_TOKENS,
+            "temperature": 0,
+            "logprobs": 1,
+            "logit_bias": {str(i): -100 for i in tokenizer.eos_ids},
+        }  # as min_new_tokens: no early EOS
         choice = complete(server, **body)["choices"][0]
         assert choice["text"] == tokenizer.decode(hf_ids, skip_special_tokens=True), prompt
         served = choice["logprobs"]["token_logprobs"]

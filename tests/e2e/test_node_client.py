@@ -26,8 +26,9 @@ def npm_ci() -> None:
         return
     npm = shutil.which("npm")
     assert npm is not None, "npm is needed for the Node client test (Node.js 20 or later)"
-    subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=NODE_DIR, check=True, timeout=300,
-                   stdin=subprocess.DEVNULL)
+    subprocess.run(
+        [npm, "ci", "--no-audit", "--no-fund"], cwd=NODE_DIR, check=True, timeout=300, stdin=subprocess.DEVNULL
+    )
 
 
 def test_official_node_client(server: Server) -> None:
@@ -35,8 +36,16 @@ def test_official_node_client(server: Server) -> None:
     node = shutil.which("node")
     assert node is not None
     env = {**os.environ, "TOKENMILL_BASE_URL": server.base_url, "TOKENMILL_MODEL": MODEL}
-    done = subprocess.run([node, "check.mjs"], cwd=NODE_DIR, env=env, capture_output=True, text=True, timeout=300,
-                          stdin=subprocess.DEVNULL, check=False)
+    done = subprocess.run(
+        [node, "check.mjs"],
+        cwd=NODE_DIR,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -21,10 +21,16 @@ VARIANTS: list[dict[str, Any]] = [  # each greedy or seeded, so the stream must 
     {"prompt": ["Once upon a time", "def add(a, b):"], "max_tokens": 5, "n": 2, "temperature": 0.7, "seed": 3},
     {"prompt": [2, 651, 6037], "max_tokens": 4, "logprobs": 3, "top_p": 0.9, "seed": 1},
     {"prompt": "The cat sat on the mat.", "max_tokens": 0, "echo": True, "logprobs": 1},
-    {"prompt": "Count: one, two,", "max_tokens": 6, "echo": True, "logprobs": 0, "stop": [" four", "\n"],
-     "seed": 11},
-    {"prompt": "Hello", "max_tokens": 5, "presence_penalty": 1.5, "frequency_penalty": -0.5, "logit_bias": {"1": -100},
-     "user": "contract-test", "seed": 7},
+    {"prompt": "Count: one, two,", "max_tokens": 6, "echo": True, "logprobs": 0, "stop": [" four", "\n"], "seed": 11},
+    {
+        "prompt": "Hello",
+        "max_tokens": 5,
+        "presence_penalty": 1.5,
+        "frequency_penalty": -0.5,
+        "logit_bias": {"1": -100},
+        "user": "contract-test",
+        "seed": 7,
+    },
     {"prompt": None, "max_tokens": 3, "temperature": 0},
 ]
 
@@ -34,8 +40,7 @@ def test_every_field_streamed_and_not_matches_the_schema(server: Server, fields:
     client = server.client()
     before = conftest.CHECKED["bodies"]
     full = client.completions.create(model=MODEL, **fields)
-    chunks = list(client.completions.create(model=MODEL, stream=True, stream_options={"include_usage": True},
-                                            **fields))
+    chunks = list(client.completions.create(model=MODEL, stream=True, stream_options={"include_usage": True}, **fields))
     assert conftest.CHECKED["bodies"] == before + 2  # both bodies went through the schema check
     assert full.usage is not None and chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
@@ -56,8 +61,7 @@ def test_async_client_responses_are_checked_too(server: Server) -> None:
     async def go() -> list[str]:
         async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as client:
             r = await client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0)
-            stream = await client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0,
-                                                     stream=True)
+            stream = await client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0, stream=True)
             return [r.choices[0].text, "".join([c.choices[0].text async for c in stream])]
 
     before = conftest.CHECKED["bodies"]

@@ -30,8 +30,14 @@ def fillers(round_index: int) -> list[dict[str, Any]]:
     out = []
     for i in range(14):
         words = rng.choices(FILLER_WORDS, k=rng.randint(1, 60))
-        out.append({"prompt": f"{i}: " + " ".join(words), "max_tokens": rng.randint(1, 32),
-                    "temperature": rng.choice([0, 0.7, 1.0]), **({"seed": rng.randint(0, 99)} if i % 2 else {})})
+        out.append(
+            {
+                "prompt": f"{i}: " + " ".join(words),
+                "max_tokens": rng.randint(1, 32),
+                "temperature": rng.choice([0, 0.7, 1.0]),
+                **({"seed": rng.randint(0, 99)} if i % 2 else {}),
+            }
+        )
     return out
 
 
@@ -81,8 +87,10 @@ def test_seeded_and_greedy_text_is_the_same_alone_and_under_load(default_server:
         want = observed.alone[name].tokens
         if got.tokens != want:
             at = first_difference(got.tokens, want)
-            differences.append(f"round {round_index}: {name} differs from token {at} on: "
-                               f"{''.join(want[at:])!r} alone, {''.join(got.tokens[at:])!r} under load")
+            differences.append(
+                f"round {round_index}: {name} differs from token {at} on: "
+                f"{''.join(want[at:])!r} alone, {''.join(got.tokens[at:])!r} under load"
+            )
     assert len(observed.under_load) == 2 * ROUNDS
     assert not differences, f"{len(differences)} of {2 * ROUNDS} differ:\n" + "\n".join(differences)
 

@@ -8,7 +8,9 @@ from tokenmill.engine.detok import IncrementalDetokenizer
 TOK = ByteTokenizer()
 
 
-@pytest.mark.parametrize("text", ["plain ascii", "accents: café naïve", "CJK 漢字かな", "emoji 👍🏽 and 🇫🇷", "tabs\tand\nlines"])
+@pytest.mark.parametrize(
+    "text", ["plain ascii", "accents: café naïve", "CJK 漢字かな", "emoji 👍🏽 and 🇫🇷", "tabs\tand\nlines"]
+)
 def test_incremental_text_equals_full_decode_and_never_splits_a_character(text: str) -> None:
     prompt = TOK.encode("prompt: ")
     detok = IncrementalDetokenizer(TOK, prompt)

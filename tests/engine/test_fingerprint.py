@@ -68,8 +68,9 @@ def _other_value(field: dataclasses.Field[Any]) -> Any:
     return 7 if field.name in ("max_model_len", "num_kv_blocks", "threads") else "/elsewhere/model.gguf"
 
 
-@pytest.mark.parametrize("field", [f for f in dataclasses.fields(Config) if f.name not in OUTPUT_FIELDS],
-                         ids=lambda f: f.name)
+@pytest.mark.parametrize(
+    "field", [f for f in dataclasses.fields(Config) if f.name not in OUTPUT_FIELDS], ids=lambda f: f.name
+)
 def test_nothing_else_changes_the_fingerprint(field: dataclasses.Field[Any]) -> None:
     changed = Config(**{field.name: _other_value(field)})
     assert getattr(changed, field.name) != getattr(Config(), field.name)

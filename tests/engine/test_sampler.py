@@ -37,8 +37,9 @@ def test_the_chosen_logprob_is_computed_only_when_used() -> None:
     (plain,) = sample(LOGITS, [row(temperature=0.0)])
     assert plain.logprob is None and plain.top == []
     (ranked,) = sample(LOGITS, [row(temperature=0.0, n=2)])  # best_of / n rank choices by it
-    assert ranked.logprob is not None and math.isclose(ranked.logprob, float(torch.log_softmax(LOGITS[0], -1)[0]),
-                                                        rel_tol=1e-6)
+    assert ranked.logprob is not None and math.isclose(
+        ranked.logprob, float(torch.log_softmax(LOGITS[0], -1)[0]), rel_tol=1e-6
+    )
 
 
 def test_penalties_follow_openai_formula() -> None:

@@ -71,6 +71,14 @@ def tiny_model(seed: int = 0) -> Gemma3ForCausalLM:
 
 
 def tiny_core(**overrides: object) -> EngineCore:
-    config = Config(**{"dtype": "float32", "block_size": 4, "num_kv_blocks": 256, "max_num_seqs": 16, "max_num_batched_tokens": 64,
-                       **overrides})  # type: ignore[arg-type]
+    config = Config(
+        **{
+            "dtype": "float32",
+            "block_size": 4,
+            "num_kv_blocks": 256,
+            "max_num_seqs": 16,
+            "max_num_batched_tokens": 64,
+            **overrides,
+        }
+    )  # type: ignore[arg-type]
     return build_engine_core(tiny_model(), ByteTokenizer(), config)  # type: ignore[arg-type]

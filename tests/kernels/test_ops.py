@@ -60,8 +60,12 @@ def test_rows_do_not_depend_on_the_batch() -> None:
     factor = torch.ones(3, 64)
     whole = (norm(x), norm.add_to(x, x), gelu_mul(gate_up), norm_rotary(heads, factor, EPS, cos, signed_sin))
     for i in (0, 4, 8):
-        alone = (norm(x[i : i + 1]), norm.add_to(x[i : i + 1], x[i : i + 1]), gelu_mul(gate_up[i : i + 1]),
-                 norm_rotary(heads[i : i + 1], factor, EPS, cos[i : i + 1], signed_sin[i : i + 1]))
+        alone = (
+            norm(x[i : i + 1]),
+            norm.add_to(x[i : i + 1], x[i : i + 1]),
+            gelu_mul(gate_up[i : i + 1]),
+            norm_rotary(heads[i : i + 1], factor, EPS, cos[i : i + 1], signed_sin[i : i + 1]),
+        )
         for a, w in zip(alone, whole):
             assert torch.equal(a[0], w[i])
 
@@ -79,7 +83,9 @@ def test_a_compiler_without_openmp_still_builds_the_norms_and_says_the_threaded_
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     wrapper = tmp_path / "cc-without-openmp"
-    wrapper.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && exit 1; done\nexec {ops._compiler()} "$@"\n')
+    wrapper.write_text(
+        f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && exit 1; done\nexec {ops._compiler()} "$@"\n'
+    )
     wrapper.chmod(0o755)
     monkeypatch.setenv("CC", str(wrapper))
     ops.build(tmp_path / "kernels.so")

@@ -96,8 +96,9 @@ def test_rows_are_right_and_identical_alone_batched_and_in_prefill(
     assert bool(c_calls) == (kernel == "c")  # the path under test is the one that ran
 
 
-def _reference(cache: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor, q: torch.Tensor,
-               window: int | None) -> torch.Tensor:
+def _reference(
+    cache: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor, q: torch.Tensor, window: int | None
+) -> torch.Tensor:
     """Plain softmax attention of every position over its visible keys, in float64 (one KV head)."""
     keys, values = cache[0][slots].double()[:, 0], cache[1][slots].double()[:, 0]  # (L, D)
     out = []

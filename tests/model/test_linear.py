@@ -160,5 +160,7 @@ def test_the_avx2_build_of_the_int8_matmul_gives_the_same_bits(tmp_path: Path) -
     for rows in (1, 7):
         x = (torch.randn(rows, 640, generator=torch.Generator().manual_seed(rows)) * 4).to(torch.bfloat16)
         out = torch.empty(rows, 130)
-        assert lib.int8_matmul(x.data_ptr(), rows, 640, tiles.data_ptr(), scale.data_ptr(), 130, out.data_ptr(), 1, 2) == 0
+        assert (
+            lib.int8_matmul(x.data_ptr(), rows, 640, tiles.data_ptr(), scale.data_ptr(), 130, out.data_ptr(), 1, 2) == 0
+        )
         assert torch.equal(out, _exact_int8_product(x, q, scale))

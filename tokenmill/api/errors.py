@@ -90,7 +90,9 @@ def rate_limited(message: str, limit: str, retry_after_s: int) -> APIError:
 
 
 def unsupported_media_type(content_type: str) -> APIError:
-    message = f"Unsupported Content-Type {content_type!r}: send the request body as JSON (Content-Type: application/json)."
+    message = (
+        f"Unsupported Content-Type {content_type!r}: send the request body as JSON (Content-Type: application/json)."
+    )
     return APIError(415, message, INVALID_REQUEST, None, "unsupported_media_type")
 
 

@@ -66,4 +66,3 @@ def is_json(content_type: str) -> bool:
     """application/json (any parameters) or a structured `+json` type."""
     media = content_type.split(";", 1)[0].strip().lower()
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
-

@@ -54,8 +54,9 @@ class DrainingServer(uvicorn.Server):
         self._drain = asyncio.ensure_future(self._drain_then_exit())
 
     async def _drain_then_exit(self) -> None:
-        log.info("SIGTERM: refusing new requests; %d in flight get %.0f s to finish", self.admission.in_flight,
-                 self.grace_s)
+        log.info(
+            "SIGTERM: refusing new requests; %d in flight get %.0f s to finish", self.admission.in_flight, self.grace_s
+        )
         if not await self.admission.wait_idle(self.grace_s):
             log.warning("grace period over: ending %d request(s) still in flight", self.admission.in_flight)
             await self.stop_engine()
@@ -65,7 +66,10 @@ class DrainingServer(uvicorn.Server):
 def serve(app: FastAPI, config: Config) -> int:
     admission: Admission = app.state.admission
     uv_config = uvicorn.Config(
-        app, host=config.host, port=config.port, log_level=config.log_level,
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
         timeout_graceful_shutdown=CANCEL_AFTER_GRACE_S,
     )
     DrainingServer(uv_config, admission, config.shutdown_grace_s, app.state.engine.stop).run()

@@ -11,19 +11,33 @@ from tokenmill.bench.servers import PEER_VERSION, cpu_cores
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     what = p.add_argument_group("what to drive")
     what.add_argument("--url", help="base URL of a running OpenAI-compatible server (127.0.0.1/::1/localhost only)")
-    what.add_argument("--compare", action="store_true",
-                      help="start tokenmill and llama-cpp-python's server on the same GGUF and run them in turn")
-    what.add_argument("--transformers", action="store_true",
-                      help="also measure plain transformers generate() on the same weights (in a subprocess)")
+    what.add_argument(
+        "--compare",
+        action="store_true",
+        help="start tokenmill and llama-cpp-python's server on the same GGUF and run them in turn",
+    )
+    what.add_argument(
+        "--transformers",
+        action="store_true",
+        help="also measure plain transformers generate() on the same weights (in a subprocess)",
+    )
     what.add_argument("--model", help="GGUF file (or model dir for tokenmill alone); default: the packaged Gemma 3")
     load = p.add_argument_group("load")
-    load.add_argument("--concurrency", type=positive_int, nargs="+", default=[1, 4, 16], help="concurrent clients per level")
+    load.add_argument(
+        "--concurrency", type=positive_int, nargs="+", default=[1, 4, 16], help="concurrent clients per level"
+    )
     load.add_argument("--requests", type=positive_int, help="requests per level (default: 2 × concurrency, at least 4)")
     load.add_argument("--max-tokens", type=positive_int, default=128, help="tokens per request (EOS banned)")
-    load.add_argument("--single-runs", type=positive_int, default=2, help="sequential requests for the single-stream figures")
-    load.add_argument("--rounds", type=positive_int, help="passes over every system (default: 2 with --compare, else 1)")
+    load.add_argument(
+        "--single-runs", type=positive_int, default=2, help="sequential requests for the single-stream figures"
+    )
+    load.add_argument(
+        "--rounds", type=positive_int, help="passes over every system (default: 2 with --compare, else 1)"
+    )
     load.add_argument("--eos-ids", type=int, nargs="*", help="token ids to ban; default: the server's /tokenizer_info")
-    load.add_argument("--level-timeout", type=float, default=300.0, help="seconds after which a level starts no request")
+    load.add_argument(
+        "--level-timeout", type=float, default=300.0, help="seconds after which a level starts no request"
+    )
     load.add_argument("--request-timeout", type=float, default=300.0, help="seconds one request may take")
     load.add_argument("--api-key", help="bearer key for a server started with --api-key")
     load.add_argument("--server-pid", type=int, help="with --url: sample this process's RSS for the peak RSS figure")
@@ -33,14 +47,20 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     servers.add_argument("--cache-dir", help="tokenmill's --cache-dir (also read by --transformers)")
     servers.add_argument("--no-startup", action="store_true", help="skip timing tokenmill's start on an empty cache")
     servers.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to be ready")
-    servers.add_argument("--peer-venv", type=Path, default=_project_root() / ".bench" / "llama-venv",
-                         help="venv of llama-cpp-python[server] (created and built if missing)")
+    servers.add_argument(
+        "--peer-venv",
+        type=Path,
+        default=_project_root() / ".bench" / "llama-venv",
+        help="venv of llama-cpp-python[server] (created and built if missing)",
+    )
     servers.add_argument("--peer-version", default=PEER_VERSION, help="llama-cpp-python version to build")
     servers.add_argument("--peer-threads", type=positive_int, default=cpu_cores(), help="the peer's --n_threads")
     servers.add_argument("--peer-n-ctx", type=positive_int, default=4096, help="the peer's --n_ctx")
     servers.add_argument("--peer-args", default="", help="more llama_cpp.server flags, as one quoted string")
     servers.add_argument("--hf-dtype", nargs="+", default=["bfloat16", "float32"], choices=("float32", "bfloat16"))
-    servers.add_argument("--hf-batch", type=positive_int, default=16, help="batch size of transformers' batched generate")
+    servers.add_argument(
+        "--hf-batch", type=positive_int, default=16, help="batch size of transformers' batched generate"
+    )
     p.add_argument("--json", type=Path, help="also write every figure (and each round's) to this JSON file")
 
 

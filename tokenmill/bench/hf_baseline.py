@@ -33,8 +33,15 @@ def timed_generate(model: Any, ids: Any, mask: Any, new_tokens: int, eos_ids: li
 
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                             suppress_tokens=eos_ids, eos_token_id=eos_ids, pad_token_id=0)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            suppress_tokens=eos_ids,
+            eos_token_id=eos_ids,
+            pad_token_id=0,
+        )
     elapsed = time.perf_counter() - start
     if out.shape[1] - ids.shape[1] != new_tokens:
         raise SystemExit(f"generate made {out.shape[1] - ids.shape[1]} tokens, not {new_tokens}")
@@ -50,8 +57,9 @@ def left_padded(prompts: list[list[int]]) -> tuple[Any, Any]:
     return ids, mask
 
 
-def measure(dtype_name: str, model_path: str | None, cache_dir: str | None, max_tokens: int, batch: int,
-            runs: int) -> dict[str, Any]:
+def measure(
+    dtype_name: str, model_path: str | None, cache_dir: str | None, max_tokens: int, batch: int, runs: int
+) -> dict[str, Any]:
     import torch
 
     from tokenmill.model.loading.loader import load_model_files
@@ -83,10 +91,22 @@ def measure(dtype_name: str, model_path: str | None, cache_dir: str | None, max_
     }
 
 
-def run_in_subprocess(dtype: str, model_path: str | None, cache_dir: str | None, max_tokens: int, batch: int,
-                      runs: int, timeout_s: float) -> dict[str, Any]:
-    argv = [sys.executable, "-m", "tokenmill.bench.hf_baseline", "--dtype", dtype, "--max-tokens", str(max_tokens),
-            "--batch", str(batch), "--runs", str(runs)]
+def run_in_subprocess(
+    dtype: str, model_path: str | None, cache_dir: str | None, max_tokens: int, batch: int, runs: int, timeout_s: float
+) -> dict[str, Any]:
+    argv = [
+        sys.executable,
+        "-m",
+        "tokenmill.bench.hf_baseline",
+        "--dtype",
+        dtype,
+        "--max-tokens",
+        str(max_tokens),
+        "--batch",
+        str(batch),
+        "--runs",
+        str(runs),
+    ]
     argv += ["--model", model_path] if model_path else []
     argv += ["--cache-dir", cache_dir] if cache_dir else []
     done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=timeout_s)

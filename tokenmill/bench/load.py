@@ -63,8 +63,9 @@ def completion_body(model: str, prompt: str, max_tokens: int, eos_ids: tuple[int
     }
 
 
-async def stream_completion(client: httpx.AsyncClient, base_url: str, body: dict[str, Any],
-                            timeout_s: float = 300.0) -> RequestResult:
+async def stream_completion(
+    client: httpx.AsyncClient, base_url: str, body: dict[str, Any], timeout_s: float = 300.0
+) -> RequestResult:
     """One streamed request, bounded in total time (the client's own timeout only bounds each read)."""
     start = time.perf_counter()
     try:
@@ -116,8 +117,9 @@ def _failed(start: float, error: str) -> RequestResult:
     return RequestResult(False, time.perf_counter() - start, None, None, 0, True, None, error)
 
 
-async def run_single(client: httpx.AsyncClient, base_url: str, model: str, settings: LoadSettings,
-                     eos_ids: tuple[int, ...]) -> dict[str, Any]:
+async def run_single(
+    client: httpx.AsyncClient, base_url: str, model: str, settings: LoadSettings, eos_ids: tuple[int, ...]
+) -> dict[str, Any]:
     """Sequential requests, one stream at a time: decode tokens/s and TTFT with nothing else running."""
     body = completion_body(model, PROMPTS[0], settings.max_tokens, eos_ids)
     deadline = time.perf_counter() + settings.level_timeout_s
@@ -129,8 +131,14 @@ async def run_single(client: httpx.AsyncClient, base_url: str, model: str, setti
     return summarize_single(results)
 
 
-async def run_level(client: httpx.AsyncClient, base_url: str, model: str, settings: LoadSettings,
-                    eos_ids: tuple[int, ...], concurrency: int) -> dict[str, Any]:
+async def run_level(
+    client: httpx.AsyncClient,
+    base_url: str,
+    model: str,
+    settings: LoadSettings,
+    eos_ids: tuple[int, ...],
+    concurrency: int,
+) -> dict[str, Any]:
     """`concurrency` clients share a fixed number of requests; none starts after the level's deadline."""
     total = settings.requests_for(concurrency)
     indices = itertools.count()
@@ -173,8 +181,9 @@ def make_client(settings: LoadSettings, transport: httpx.AsyncBaseTransport | No
     )
 
 
-async def bench_url(url: str, settings: LoadSettings,
-                    transport: httpx.AsyncBaseTransport | None = None) -> dict[str, Any]:
+async def bench_url(
+    url: str, settings: LoadSettings, transport: httpx.AsyncBaseTransport | None = None
+) -> dict[str, Any]:
     """One pass over a server: a warm-up request, the single-stream runs, then each concurrency level."""
     base_url = require_loopback(url)
     async with make_client(settings, transport) as client:

@@ -9,8 +9,10 @@ from typing import Any
 
 Figures = dict[str, float | None]
 RATIO_NOTE = "ratios are the first system ÷ the other: above 1 is better for tok/s, below 1 for times and memory."
-HF_NOTE = ("hf-bf16/hf-fp32: Hugging Face transformers generate() in-process, no HTTP: its 'N clients: aggregate' is one "
-           "batch-N generate() and its TTFT is prefill + one token.")
+HF_NOTE = (
+    "hf-bf16/hf-fp32: Hugging Face transformers generate() in-process, no HTTP: its 'N clients: aggregate' is one "
+    "batch-N generate() and its TTFT is prefill + one token."
+)
 
 
 def rows(concurrency: Sequence[int]) -> list[tuple[str, str, str]]:
@@ -70,8 +72,10 @@ def format_table(systems: dict[str, Figures], concurrency: Sequence[int]) -> str
         cells += [_ratio(r.get(key)) for r in ratio_table.values()]
         body.append([label, unit, *cells])
     widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-             for row in [header, *body]]
+    lines = [
+        "  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+        for row in [header, *body]
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -81,8 +85,7 @@ def _ratio(value: float | None) -> str:
 
 
 def notes_for(systems: dict[str, Figures]) -> list[str]:
-    return ([RATIO_NOTE] if len(systems) > 1 else []) + ([HF_NOTE] if any(n.startswith("hf-") for n in systems)
-                                                          else [])
+    return ([RATIO_NOTE] if len(systems) > 1 else []) + ([HF_NOTE] if any(n.startswith("hf-") for n in systems) else [])
 
 
 def write_json(path: str | Path, results: dict[str, Any]) -> None:

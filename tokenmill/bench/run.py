@@ -139,8 +139,9 @@ def _time_first_start(args: argparse.Namespace, cache_dir: str, log_dir: Path) -
         return server.start(args.start_timeout)
 
 
-def _start_all(servers: list[ManagedServer], systems: dict[str, dict[str, Any]], settings: LoadSettings,
-               timeout_s: float) -> LoadSettings:
+def _start_all(
+    servers: list[ManagedServer], systems: dict[str, dict[str, Any]], settings: LoadSettings, timeout_s: float
+) -> LoadSettings:
     """Start every server (one after the other), then fix the EOS ids from the first that reports them."""
     for server in servers:
         _progress(f"starting {server.spec.name}: {shlex.join(server.spec.argv)}")
@@ -158,8 +159,15 @@ def _served_eos_ids(url: str, settings: LoadSettings) -> tuple[int, ...]:
     return asyncio.run(ask())
 
 
-def _interleave(args: argparse.Namespace, targets: list[tuple[str, str]], systems: dict[str, dict[str, Any]],
-                settings: LoadSettings, rounds: int, model_file: str | None, cache_dir: str | None) -> None:
+def _interleave(
+    args: argparse.Namespace,
+    targets: list[tuple[str, str]],
+    systems: dict[str, dict[str, Any]],
+    settings: LoadSettings,
+    rounds: int,
+    model_file: str | None,
+    cache_dir: str | None,
+) -> None:
     """Round after round, each system in turn while the others stay idle: A B (C ...) A B (C ...)."""
     for r in range(rounds):
         for name, url in targets:
@@ -167,8 +175,9 @@ def _interleave(args: argparse.Namespace, targets: list[tuple[str, str]], system
         for dtype in args.hf_dtype if args.transformers else ():
             _progress(f"round {r + 1}/{rounds}: transformers {dtype} (in a subprocess)")
             try:
-                figures = hf_baseline.run_in_subprocess(dtype, model_file, cache_dir, args.max_tokens, args.hf_batch,
-                                                        args.single_runs, timeout_s=1800)
+                figures = hf_baseline.run_in_subprocess(
+                    dtype, model_file, cache_dir, args.max_tokens, args.hf_batch, args.single_runs, timeout_s=1800
+                )
             except (RuntimeError, subprocess.TimeoutExpired) as exc:  # the servers' figures still stand
                 _progress(f"transformers {dtype} left out: {exc}")
                 continue
@@ -183,8 +192,9 @@ def _one_pass(name: str, url: str, settings: LoadSettings, r: int, rounds: int) 
     return result
 
 
-def _results(args: argparse.Namespace, settings: LoadSettings, systems: dict[str, dict[str, Any]],
-             model: str | None) -> dict[str, Any]:
+def _results(
+    args: argparse.Namespace, settings: LoadSettings, systems: dict[str, dict[str, Any]], model: str | None
+) -> dict[str, Any]:
     figures = {name: system_figures(system) for name, system in systems.items()}
     concurrency = sorted(set(settings.concurrency) | ({args.hf_batch} if args.transformers else set()))
     meta = {
@@ -195,15 +205,22 @@ def _results(args: argparse.Namespace, settings: LoadSettings, systems: dict[str
         "settings": {**dataclasses.asdict(settings), "api_key": None},  # never write a key to the file
         "table_concurrency": concurrency,
     }
-    return {"meta": meta, "figures": figures, "ratios": report.ratios(figures), "systems": systems,
-            "notes": notes(systems)}
+    return {
+        "meta": meta,
+        "figures": figures,
+        "ratios": report.ratios(figures),
+        "systems": systems,
+        "notes": notes(systems),
+    }
 
 
 def _command_line() -> str:
     """The command as typed, with any API key masked."""
     words = ["tokenmill", *sys.argv[1:]]
-    masked = ["***" if prev == "--api-key" else w.split("=")[0] + "=***" if w.startswith("--api-key=") else w
-              for prev, w in zip(["", *words], words)]
+    masked = [
+        "***" if prev == "--api-key" else w.split("=")[0] + "=***" if w.startswith("--api-key=") else w
+        for prev, w in zip(["", *words], words)
+    ]
     return shlex.join(masked)
 
 
@@ -223,8 +240,12 @@ def _pass_figures(one_pass: dict[str, Any]) -> Figures:
     if "levels" in one_pass:  # a server pass
         return flat_figures(one_pass["single"], one_pass["levels"])
     batch = one_pass["batch"]  # a transformers run: its batched generate stands in the batch-sized clients row
-    return {"decode_tok_s": one_pass["decode_tok_s"], "ttft_s": one_pass["ttft_s"],
-            f"c{batch}_agg_tok_s": one_pass[f"batch{batch}_agg_tok_s"], "peak_rss_mb": one_pass["peak_rss_mb"]}
+    return {
+        "decode_tok_s": one_pass["decode_tok_s"],
+        "ttft_s": one_pass["ttft_s"],
+        f"c{batch}_agg_tok_s": one_pass[f"batch{batch}_agg_tok_s"],
+        "peak_rss_mb": one_pass["peak_rss_mb"],
+    }
 
 
 def notes(systems: dict[str, dict[str, Any]]) -> list[str]:
@@ -233,8 +254,9 @@ def notes(systems: dict[str, dict[str, Any]]) -> list[str]:
     for name, system in systems.items():
         for i, one_pass in enumerate(p for p in system["passes"] if "levels" in p):
             for part in [one_pass["single"], *one_pass["levels"]]:
-                where = f"{name}, round {i + 1}, " + (f"{part['concurrency']} clients" if "concurrency" in part
-                                                      else "single stream")
+                where = f"{name}, round {i + 1}, " + (
+                    f"{part['concurrency']} clients" if "concurrency" in part else "single stream"
+                )
                 if part["failed"]:
                     out.append(f"{where}: {part['failed']} of {part['requests']} requests failed")
                 if part["early_stops"]:

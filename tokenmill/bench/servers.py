@@ -50,17 +50,45 @@ def cpu_cores() -> int:
 
 
 def tokenmill_spec(port: int, model: str | None, extra: list[str], cache_dir: str | None = None) -> ServerSpec:
-    argv = [sys.executable, "-m", "tokenmill.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-            "--log-level", "warning"]
+    argv = [
+        sys.executable,
+        "-m",
+        "tokenmill.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
     argv += ["--model", model] if model else []
     argv += ["--cache-dir", cache_dir] if cache_dir else []
     return ServerSpec("tokenmill", (*argv, *extra), port, "/health")
 
 
 def peer_spec(python: str, port: int, model: str, threads: int, n_ctx: int, extra: list[str]) -> ServerSpec:
-    argv = [python, "-m", "llama_cpp.server", "--model", model, "--host", "127.0.0.1", "--port", str(port),
-            "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx), "--model_alias", PEER_ALIAS,
-            "--interrupt_requests", "False"]  # its default cuts a running stream short when another request arrives
+    argv = [
+        python,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--n_threads",
+        str(threads),
+        "--n_threads_batch",
+        str(threads),
+        "--n_ctx",
+        str(n_ctx),
+        "--model_alias",
+        PEER_ALIAS,
+        "--interrupt_requests",
+        "False",
+    ]  # its default cuts a running stream short when another request arrives
     return ServerSpec("llama-cpp-python", (*argv, *extra), port, "/v1/models")
 
 
@@ -72,11 +100,18 @@ def ensure_peer_venv(venv: Path, version: str = PEER_VERSION, timeout_s: float =
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     log = venv / "build.log"
-    print(f"building {PEER_PACKAGE.format(version=version)} into {venv} (compiles llama.cpp: minutes); log: {log}",
-          flush=True)
+    print(
+        f"building {PEER_PACKAGE.format(version=version)} into {venv} (compiles llama.cpp: minutes); log: {log}",
+        flush=True,
+    )
     with log.open("ab") as out:
-        subprocess.run([str(python), "-m", "pip", "install", PEER_PACKAGE.format(version=version)],
-                       stdout=out, stderr=subprocess.STDOUT, check=True, timeout=timeout_s)
+        subprocess.run(
+            [str(python), "-m", "pip", "install", PEER_PACKAGE.format(version=version)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            check=True,
+            timeout=timeout_s,
+        )
     return str(python)
 
 
@@ -150,8 +185,13 @@ class ManagedServer:
     def start(self, timeout_s: float) -> float:
         start = time.perf_counter()
         with self.log_path.open("ab") as log:
-            self._process = subprocess.Popen(self.spec.argv, stdout=log, stderr=subprocess.STDOUT,
-                                             env={**os.environ, **self.spec.env}, start_new_session=True)
+            self._process = subprocess.Popen(
+                self.spec.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **self.spec.env},
+                start_new_session=True,
+            )
         self._rss = RssSampler(self._process.pid).start()
         self._wait_ready(start + timeout_s)
         return time.perf_counter() - start
@@ -163,7 +203,9 @@ class ManagedServer:
         with httpx.Client(trust_env=False, timeout=5.0) as client:
             while time.perf_counter() < deadline:
                 if self._process.poll() is not None:
-                    raise ServerStartError(f"{self.spec.name} exited with {self._process.returncode}\n{self.log_tail()}")
+                    raise ServerStartError(
+                        f"{self.spec.name} exited with {self._process.returncode}\n{self.log_tail()}"
+                    )
                 try:
                     if client.get(self.url + self.spec.ready_path).status_code == 200:
                         return

@@ -264,7 +264,12 @@ class EngineCore:
             first = seq.token_ids[0]
             entries.append(TokenLogprob(first, self.token_text(first), None, []))
         new = prompt_logprob_entries(
-            self.runner, hidden, seq.token_ids, start, seq.num_prompt_tokens, seq.params.prompt_logprobs or 0,
+            self.runner,
+            hidden,
+            seq.token_ids,
+            start,
+            seq.num_prompt_tokens,
+            seq.params.prompt_logprobs or 0,
             self.token_text,
         )
         if any(e.logprob is not None and math.isnan(e.logprob) for e in new):

@@ -31,7 +31,9 @@ import platformdirs
 import torch
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(name) for name in ("fused.c", "int8_matmul.c", "paged_attention.c", "argmax.c", "gelu.c")]
+SOURCES = [
+    Path(__file__).with_name(name) for name in ("fused.c", "int8_matmul.c", "paged_attention.c", "argmax.c", "gelu.c")
+]
 HEADERS = [Path(__file__).with_name("avx512_common.h")]
 MAX_HEAD_DIM = 1024  # norm_rotary's stack buffer
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -49,7 +51,9 @@ _SIGNATURES = {
     "gelu_mul_available": [],
 }
 _RETURNS_INT = {name for name in _SIGNATURES if name.endswith("_available")} | {
-    "int8_matmul", "paged_attention", "argmax_rows"
+    "int8_matmul",
+    "paged_attention",
+    "argmax_rows",
 }
 MAX_ATTENTION_HEAD_DIM = 512  # paged_attention.c's register tile
 
@@ -171,8 +175,9 @@ def add_rms_norm(residual: torch.Tensor, y: torch.Tensor, factor: torch.Tensor, 
     return out
 
 
-def norm_rotary(x: torch.Tensor, factor: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
-                eps: float) -> torch.Tensor:
+def norm_rotary(
+    x: torch.Tensor, factor: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, eps: float
+) -> torch.Tensor:
     """x: (T, H, D) bf16 whose heads are packed within each row (rows may be strided) → normed and rotated, packed."""
     t, heads, d = x.shape
     if d > MAX_HEAD_DIM:
@@ -181,35 +186,67 @@ def norm_rotary(x: torch.Tensor, factor: torch.Tensor, cos: torch.Tensor, signed
         x = x.contiguous()
     cos, signed_sin = cos.contiguous(), signed_sin.contiguous()
     out = torch.empty(t, heads, d, dtype=x.dtype)
-    library().norm_rotary(x.data_ptr(), x.stride(0), factor.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(),
-                          out.data_ptr(), t, heads, d, eps)
+    library().norm_rotary(
+        x.data_ptr(),
+        x.stride(0),
+        factor.data_ptr(),
+        cos.data_ptr(),
+        signed_sin.data_ptr(),
+        out.data_ptr(),
+        t,
+        heads,
+        d,
+        eps,
+    )
     return out
 
 
-def int8_matmul(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, n: int,
-                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def int8_matmul(
+    x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, n: int, out_dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     """x: (M, K) bf16 @ the (N, K) int8 weights laid out in `tiles` (see int8_matmul.c) * scale → (M, N) bf16 or
     float32 (`out_dtype`)."""
     x = x.contiguous()
     m, k = x.shape
     out = torch.empty(m, n, dtype=out_dtype)
     float_out = int(out_dtype == torch.float32)
-    if m and library().int8_matmul(x.data_ptr(), m, k, tiles.data_ptr(), scale.data_ptr(), n, out.data_ptr(),
-                                   float_out, torch.get_num_threads()):
+    if m and library().int8_matmul(
+        x.data_ptr(), m, k, tiles.data_ptr(), scale.data_ptr(), n, out.data_ptr(), float_out, torch.get_num_threads()
+    ):
         raise MemoryError(f"int8_matmul: no memory for a ({m}, {k}) int16 scratch")
     return out
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                    offset: torch.Tensor, count: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    offset: torch.Tensor,
+    count: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """q (T, Hq, D) bf16; caches (slots, Hkv, D) bf16; row r attends to slots[offset[r] : offset[r] + count[r]]."""
     t, hq, d = q.shape
     if q.stride(2) != 1 or q.stride(1) != d:
         q = q.contiguous()
     out = torch.empty(t, hq, d, dtype=torch.bfloat16)
-    if t and library().paged_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                                       slots.data_ptr(), offset.data_ptr(), count.data_ptr(), t, hq,
-                                       k_cache.shape[1], d, scale, out.data_ptr(), torch.get_num_threads()):
+    if t and library().paged_attention(
+        q.data_ptr(),
+        q.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slots.data_ptr(),
+        offset.data_ptr(),
+        count.data_ptr(),
+        t,
+        hq,
+        k_cache.shape[1],
+        d,
+        scale,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    ):
         raise ValueError(f"paged_attention: head_dim {d} unsupported or no memory for the scores")
     return out
 

@@ -99,7 +99,8 @@ class Gemma3Model(nn.Module):
 class Gemma3ForCausalLM(nn.Module):
     # checkpoint projections that the model holds stacked (one matmul each), in stacking order
     STACKED_PROJECTIONS: ClassVar[dict[str, tuple[str, ...]]] = {
-        "qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+        "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+        "gate_up_proj": ("gate_proj", "up_proj"),
     }
 
     def __init__(self, cfg: ModelConfig) -> None:

@@ -234,6 +234,9 @@ def test_fast_gguf_index_equals_the_gguf_package_reader_on_the_default_model() -
     assert meta == {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
     assert len(meta["tokenizer.ggml.tokens"]) == 262144
     for ours, theirs in zip(tensors, reader.tensors, strict=True):
-        assert (ours.name, ours.tensor_type, ours.shape) == (theirs.name, theirs.tensor_type,
-                                                              tuple(int(d) for d in theirs.shape))
+        assert (ours.name, ours.tensor_type, ours.shape) == (
+            theirs.name,
+            theirs.tensor_type,
+            tuple(int(d) for d in theirs.shape),
+        )
         assert np.array_equal(ours.data, theirs.data), ours.name

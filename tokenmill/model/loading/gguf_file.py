@@ -20,15 +20,27 @@ from gguf.quants import quant_shape_to_byte_shape
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 _SCALARS = {  # GGUF value type → (struct format, numpy dtype)
-    0: ("<B", np.uint8), 1: ("<b", np.int8), 2: ("<H", np.uint16), 3: ("<h", np.int16),
-    4: ("<I", np.uint32), 5: ("<i", np.int32), 6: ("<f", np.float32), 7: ("<?", np.bool_),
-    10: ("<Q", np.uint64), 11: ("<q", np.int64), 12: ("<d", np.float64),
+    0: ("<B", np.uint8),
+    1: ("<b", np.int8),
+    2: ("<H", np.uint16),
+    3: ("<h", np.int16),
+    4: ("<I", np.uint32),
+    5: ("<i", np.int32),
+    6: ("<f", np.float32),
+    7: ("<?", np.bool_),
+    10: ("<Q", np.uint64),
+    11: ("<q", np.int64),
+    12: ("<d", np.float64),
 }
 _STRING, _ARRAY = 8, 9
 _PLAIN_TYPES = {  # ggml types stored as plain numpy items rather than quantised blocks
-    GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F32: np.float32,
-    GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8, GGMLQuantizationType.I16: np.int16,
-    GGMLQuantizationType.I32: np.int32, GGMLQuantizationType.I64: np.int64,
+    GGMLQuantizationType.F16: np.float16,
+    GGMLQuantizationType.F32: np.float32,
+    GGMLQuantizationType.F64: np.float64,
+    GGMLQuantizationType.I8: np.int8,
+    GGMLQuantizationType.I16: np.int16,
+    GGMLQuantizationType.I32: np.int32,
+    GGMLQuantizationType.I64: np.int64,
 }
 
 
@@ -86,7 +98,9 @@ def read_gguf_file(path: str) -> tuple[dict[str, Any], list[GgufTensor]]:
     cur.pos = 4
     version = cur.scalar("<I")
     if version not in (2, 3):
-        raise GgufFormatError(f"{path}: GGUF version {version} is not supported (2 and 3 are; big-endian files are not)")
+        raise GgufFormatError(
+            f"{path}: GGUF version {version} is not supported (2 and 3 are; big-endian files are not)"
+        )
     n_tensors, n_fields = cur.scalar("<Q"), cur.scalar("<Q")
     meta: dict[str, Any] = {}
     for _ in range(n_fields):

@@ -139,8 +139,13 @@ def load_gguf(
 
 
 _SAFETENSORS_DTYPES = {
-    "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I8": torch.int8, "U8": torch.uint8,
-    "I32": torch.int32, "I64": torch.int64,
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "I32": torch.int32,
+    "I64": torch.int64,
 }
 
 
