@@ -9,16 +9,12 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.model.attention import AttentionMetadata, paged_attention
-from tokenmill.model.dense import dense_metadata, empty_kv_caches
+from tokenmill.model.causal_lm import CausalLM, DecoderModel, KVCache, Rope
 from tokenmill.model.layers import RMSNorm, Rotary, gelu_mul, norm_rotary
-from tokenmill.model.linear import float32_product
 from tokenmill.model.model_config import ModelConfig
-
-KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class Gemma3Attention(nn.Module):
@@ -35,9 +31,7 @@ class Gemma3Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset=1.0)
         self._qk_factor: torch.Tensor | None = None
 
-    def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         t, heads, d = x.shape[0], self.num_heads + self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
         qk = qkv[:, : heads * d].view(t, heads, d)  # q heads then k heads: normed and rotated together
@@ -78,64 +72,36 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset=1.0)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset=1.0)
 
-    def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         x = self.post_attention_layernorm.add_to(x, self.self_attn(self.input_layernorm(x), rope, kv_cache, meta))
         return self.post_feedforward_layernorm.add_to(x, self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-class Gemma3Model(nn.Module):
+class Gemma3Model(DecoderModel):
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=1.0)
+        super().__init__(cfg, Gemma3DecoderLayer, norm_offset=1.0)
         self.rope_global = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_factor)
         self.rope_local = Rotary(cfg.head_dim, cfg.rope_local_theta or cfg.rope_theta)
         self.embed_scale = cfg.hidden_size**0.5
 
 
-class Gemma3ForCausalLM(nn.Module):
-    # checkpoint projections that the model holds stacked (one matmul each), in stacking order
+class Gemma3ForCausalLM(CausalLM):
     STACKED_PROJECTIONS: ClassVar[dict[str, tuple[str, ...]]] = {
         "qkv_proj": ("q_proj", "k_proj", "v_proj"),
         "gate_up_proj": ("gate_proj", "up_proj"),
     }
+    model: Gemma3Model
 
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.config = cfg
+        super().__init__(cfg)
         self.model = Gemma3Model(cfg)
-        self.lm_head: nn.Module | None = None  # tied to the embedding unless replaced by a quantised copy
+        self.lm_head = None  # always tied
 
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight  # tied
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = super().embed(input_ids)  # (T, H)
+        return x * torch.tensor(self.model.embed_scale, dtype=x.dtype)  # rounded to the weights' dtype, as HF does
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """input_ids, positions: (T,) → final hidden states (T, hidden)."""
-        m = self.model
-        x = m.embed_tokens(input_ids)  # (T, H)
-        x = x * torch.tensor(m.embed_scale, dtype=x.dtype)  # rounded to the weights' dtype, as HF does
-        rope_global = m.rope_global(positions, x.dtype)
-        rope_local = m.rope_local(positions, x.dtype)
-        for layer, kv_cache in zip(m.layers, kv_caches):
-            x = layer(x, rope_local if layer.is_sliding else rope_global, kv_cache, meta)
-        return m.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: (N, H) → float32 logits (N, V)."""
-        if self.lm_head is not None:
-            return float32_product(self.lm_head, hidden)
-        return F.linear(hidden, self.lm_head_weight).float()
-
-    @torch.inference_mode()
-    def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits for every position of one sequence, with a throwaway cache (tests and scoring checks)."""
-        t = input_ids.shape[0]
-        caches = empty_kv_caches(self.config, t, self.model.norm.weight.dtype)
-        hidden = self.forward(input_ids, torch.arange(t), caches, dense_metadata(t))
-        return self.compute_logits(hidden)
+    def layer_ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> list[Rope]:
+        rope_global = self.model.rope_global(positions, dtype)
+        rope_local = self.model.rope_local(positions, dtype)
+        return [rope_local if layer.is_sliding else rope_global for layer in self.model.layers]

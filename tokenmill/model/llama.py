@@ -11,12 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.model.attention import AttentionMetadata, paged_attention
-from tokenmill.model.dense import dense_metadata, empty_kv_caches
+from tokenmill.model.causal_lm import CausalLM, DecoderModel, KVCache, Rope
 from tokenmill.model.layers import RMSNorm, Rotary, apply_rotary
-from tokenmill.model.linear import float32_product
 from tokenmill.model.model_config import ModelConfig
-
-KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class LlamaAttention(nn.Module):
@@ -30,9 +27,7 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # (T, Hq, D)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
@@ -61,54 +56,24 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderModel):
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        super().__init__(cfg, LlamaDecoderLayer, norm_offset=0.0)
         self.rope = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_factor)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
+    model: LlamaModel
+
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.config = cfg
+        super().__init__(cfg)
         self.model = LlamaModel(cfg)
-        untied = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.lm_head: nn.Module | None = untied
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """input_ids, positions: (T,) → final hidden states (T, hidden)."""
-        x = self.model.embed_tokens(input_ids)  # (T, H)
-        rope = self.model.rope(positions, x.dtype)
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, rope, kv_cache, meta)
-        return self.model.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: (N, H) → float32 logits (N, V)."""
-        if self.lm_head is not None:
-            return float32_product(self.lm_head, hidden)
-        return F.linear(hidden, self.lm_head_weight).float()
-
-    @torch.inference_mode()
-    def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits for every position of one sequence, with a throwaway cache (tests and scoring checks)."""
-        t = input_ids.shape[0]
-        caches = empty_kv_caches(self.config, t, self.model.norm.weight.dtype)
-        hidden = self.forward(input_ids, torch.arange(t), caches, dense_metadata(t))
-        return self.compute_logits(hidden)
+    def layer_ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> list[Rope]:
+        return [self.model.rope(positions, dtype)] * len(self.model.layers)  # every layer: the one base

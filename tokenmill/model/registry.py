@@ -8,15 +8,16 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.gemma3 import Gemma3ForCausalLM
 from tokenmill.model.linear import adopt_prepared
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.model_config import ModelConfig, UnsupportedModelError
 
-ARCHITECTURES: dict[str, type[nn.Module]] = {"gemma3": Gemma3ForCausalLM, "llama": LlamaForCausalLM}
+ARCHITECTURES: dict[str, type[CausalLM]] = {"gemma3": Gemma3ForCausalLM, "llama": LlamaForCausalLM}
 
 
-def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], prepared: bool = False) -> nn.Module:
+def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], prepared: bool = False) -> CausalLM:
     """Builds on the meta device (no random init of 268 M parameters) and adopts the loaded tensors as they are.
 
     `prepared`: the state dict was saved from a prepared model (quantised linears), whose module kinds it restores.
@@ -28,8 +29,7 @@ def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], prepared:
         model = cls(cfg)
     if prepared:
         adopt_prepared(model, state_dict)
-    stacked = getattr(cls, "STACKED_PROJECTIONS", {})
-    model.load_state_dict(stack_projections(state_dict, stacked), assign=True, strict=True)
+    model.load_state_dict(stack_projections(state_dict, cls.STACKED_PROJECTIONS), assign=True, strict=True)
     return model.eval()
 
 

@@ -1,0 +1,95 @@
+"""What every decoder-only architecture shares: the layer loop, the LM head, and a one-sequence dense forward.
+
+An architecture supplies its decoder layer, the rotary embedding each layer uses (`layer_ropes`) and, where it has
+one, a change to the embeddings (`embed`: Gemma's scale). Parameter names follow Hugging Face (`model.embed_tokens`,
+`model.layers.N`, `model.norm`, `lm_head`) so checkpoints load as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import ClassVar, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.model.attention import AttentionMetadata
+from tokenmill.model.layers import RMSNorm
+from tokenmill.model.linear import float32_product
+from tokenmill.model.model_config import ModelConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (keys, values), each (num_slots, Hkv, D)
+Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, signed sin), each (T, 1, D): what Rotary returns
+
+
+class DecoderModel(nn.Module):
+    """The stack under `model.`: token embedding, decoder layers, final norm (built in that order: seeded random
+    initialisation in the tests depends on it)."""
+
+    def __init__(
+        self, cfg: ModelConfig, make_layer: Callable[[ModelConfig, int], nn.Module], norm_offset: float
+    ) -> None:
+        super().__init__()
+        # an nn.Embedding, or an Int8Embedding reading the rows of a quantised tied head (linear.prepare_linears)
+        self.embed_tokens: nn.Module = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(make_layer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=norm_offset)
+
+
+class CausalLM(nn.Module):
+    """A subclass builds `model` (its DecoderModel) and `lm_head` (None: tied to the embedding, until a quantised copy
+    replaces it), and says which rotary each layer uses."""
+
+    # checkpoint projections that the model holds stacked (one matmul each), in stacking order
+    STACKED_PROJECTIONS: ClassVar[dict[str, tuple[str, ...]]] = {}
+    model: DecoderModel
+    lm_head: nn.Module | None
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: (T,) → (T, H), the residual stream's start."""
+        return self.model.embed_tokens(input_ids)
+
+    def layer_ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> Sequence[Rope]:
+        """One rotary (cos, sin) per layer, each computed once per forward and shared by the layers that use it."""
+        raise NotImplementedError
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """input_ids, positions: (T,) → final hidden states (T, hidden)."""
+        x = self.embed(input_ids)  # (T, H)
+        ropes = self.layer_ropes(positions, x.dtype)
+        for layer, rope, kv_cache in zip(self.model.layers, ropes, kv_caches):
+            x = layer(x, rope, kv_cache, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: (N, H) → float32 logits (N, V)."""
+        if self.lm_head is not None:
+            return float32_product(self.lm_head, hidden)
+        tied = cast(torch.Tensor, self.model.embed_tokens.weight)  # no head of its own: the table is an nn.Embedding
+        return F.linear(hidden, tied).float()
+
+    @torch.inference_mode()
+    def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits for every position of one sequence, with a throwaway cache (tests and scoring checks)."""
+        t = input_ids.shape[0]
+        caches = empty_kv_caches(self.config, t, self.model.norm.weight.dtype)
+        hidden = self.forward(input_ids, torch.arange(t), caches, dense_metadata(t))
+        return self.compute_logits(hidden)
+
+
+def empty_kv_caches(cfg: ModelConfig, num_slots: int, dtype: torch.dtype) -> list[KVCache]:
+    shape = (num_slots, cfg.num_kv_heads, cfg.head_dim)
+    return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
+
+
+def dense_metadata(num_tokens: int) -> AttentionMetadata:
+    """One sequence whose whole prompt is the query, its KV in slots 0..T-1."""
+    slots = torch.arange(num_tokens)
+    return AttentionMetadata(slot_mapping=slots, query_lens=[num_tokens], context_lens=[num_tokens], kv_slots=[slots])
