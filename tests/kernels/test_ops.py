@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.kernels import ops
+from tokenmill.kernels import build, ops
 from tokenmill.model.layers import RMSNorm, Rotary, apply_rotary, gelu_mul, norm_rotary
 
 pytestmark = pytest.mark.skipif(ops.library() is None, reason="no C compiler: the torch path is the only path")
@@ -79,19 +80,36 @@ def test_without_a_compiler_the_torch_path_computes_the_same_layer(monkeypatch: 
     torch.testing.assert_close(with_kernels[1].float(), without[1].float(), rtol=1e-2, atol=1e-2)
 
 
-def test_a_compiler_without_openmp_still_builds_the_norms_and_says_the_threaded_kernels_are_missing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_compiler_without_openmp_builds_the_norms_and_leaves_the_threaded_kernels_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    compiler = build.Compiler.find()
+    assert compiler is not None
     wrapper = tmp_path / "cc-without-openmp"
     wrapper.write_text(
-        f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && exit 1; done\nexec {ops._compiler()} "$@"\n'
+        f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && exit 1; done\nexec {compiler.command} "$@"\n'
     )
     wrapper.chmod(0o755)
     monkeypatch.setenv("CC", str(wrapper))
-    ops.build(tmp_path / "kernels.so")
-    lib = ops.load(tmp_path / "kernels.so")
-    assert lib.int8_matmul_available() == 0 and lib.paged_attention_available() == 0
-    assert lib.rms_norm  # the norms are there
+    monkeypatch.setattr(build, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger=build.__name__):
+        lib = build.library(tmp_path / "kernels")
+        assert build.library(tmp_path / "kernels") is not None  # the cached serial build, no second warning
+    assert lib is not None
+    assert [path.name.endswith("-serial.so") for path in (tmp_path / "kernels").iterdir()] == [True]
+    (warning,) = [record for record in caplog.records if record.name == build.__name__]
+    message = warning.getMessage()
+    assert "no OpenMP" in message and "Performance" in message and "set CC" in message
+    available = [lib.int8_matmul_available(), lib.paged_attention_available(), lib.argmax_available()]
+    assert available + [lib.gelu_mul_available()] == [0, 0, 0, 0]
+    x, norm = _randn(3, 640, seed=8, scale=10.0), _norm(640)
+    out = torch.empty_like(x)
+    lib.rms_norm(x.data_ptr(), 640, norm.factor.data_ptr(), out.data_ptr(), 3, 640, EPS)  # built without OpenMP too
+    assert _ulps(out, F.rms_norm(x.float(), (640,), norm.factor, EPS).to(BF16)) <= 1
+    scratch = torch.full((3, 64), 7.0)
+    tiles, scale = torch.zeros(1, 320, 64, 2, dtype=torch.int8), torch.ones(64)
+    status = lib.int8_matmul(x.data_ptr(), 3, 640, tiles.data_ptr(), scale.data_ptr(), 64, scratch.data_ptr(), 1, 1)
+    assert status == -1 and torch.equal(scratch, torch.full((3, 64), 7.0))  # the stub refuses, writes nothing
 
 
 @pytest.mark.skipif(not ops.argmax_available(), reason="no AVX-512 or OpenMP: torch.argmax")

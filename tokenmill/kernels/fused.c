@@ -1,4 +1,4 @@
-/* Row-wise bfloat16 kernels for the small per-layer ops of a decoder layer (see fused.py).
+/* Row-wise bfloat16 kernels for the small per-layer ops of a decoder layer (see ops.py).
  *
  * Each kernel does in one call what torch does in five to fifteen eager ops, with the same arithmetic: float32
  * inside, rounded to bfloat16 (nearest-even) wherever the torch path rounds. Rows are independent and always
@@ -8,6 +8,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "kernels.h"
 
 typedef uint16_t bf16;
 
@@ -75,9 +77,9 @@ void add_rms_norm(const bf16 *residual, const bf16 *y, const float *factor, bf16
  * x: rows `stride` apart, heads `dim` apart; factor: (heads, dim) float32; cos, signed_sin: (rows, dim) bf16. */
 void norm_rotary(const bf16 *x, int64_t stride, const float *factor, const bf16 *cos, const bf16 *signed_sin,
                  bf16 *out, int64_t rows, int64_t heads, int64_t dim, float eps) {
-    float normed[1024];
+    float normed[MAX_HEAD_DIM];
     int64_t half = dim / 2;
-    if (dim > 1024) return; /* fused.py never calls with a larger head */
+    if (dim > MAX_HEAD_DIM) return; /* ops.norm_rotary never calls with a larger head */
     for (int64_t r = 0; r < rows; r++) {
         const bf16 *c = cos + r * dim, *s = signed_sin + r * dim;
         for (int64_t h = 0; h < heads; h++) {

@@ -1,12 +1,15 @@
 /* Gemma's gated MLP activation: out (T, F) = bf16(bf16(gelu_tanh(gate)) * up), gate and up the halves of (T, 2F).
  *
- * Why: torch runs it as three ops (chunk, gelu, mul) with a bf16 intermediate: ~30 us for 16 rows of this model's
- * 2 x 2048, eighteen times a step. Here it is one pass with the same roundings: gelu_tanh(g) = g/2 (1 + tanh(u)),
- * u = sqrt(2/pi) (g + 0.044715 g^3), in float32, rounded to bf16, times up in float32, rounded to bf16. Elementwise,
- * so a row's result never depends on the others. (For large negative g this is more accurate than torch's, whose
- * 1 + tanh(u) cancels: there the two differ by more than a rounding, on values under ~1e-4.)
+ * Why: torch runs it as three ops (chunk, gelu, mul) with a bf16 intermediate, each a pass over memory with its own
+ * fixed cost, in every layer of every step (see the README's Performance section). Here it is one pass with the same
+ * roundings: gelu_tanh(g) = g/2 (1 + tanh(u)), u = sqrt(2/pi) (g + 0.044715 g^3), in float32, rounded to bf16, times
+ * up in float32, rounded to bf16. Elementwise, so a row's result never depends on the others. (For large negative g
+ * this is more accurate than torch's, whose 1 + tanh(u) cancels: there the two differ by more than a rounding, on
+ * values under ~1e-4.)
  */
 #include <stdint.h>
+
+#include "kernels.h"
 
 #if defined(__AVX512F__) && defined(_OPENMP)
 #include <immintrin.h>

@@ -1,12 +1,13 @@
 /* Weight-only int8 matmul for bfloat16 activations: out (M, N) = x (M, K) @ (q (N, K) * scale (N,))^T, in bf16 (or
  * float32, for logits: no rounding and no conversion pass).
  *
- * Why not torch's `_weight_int8pack_mm`: at 16 rows it converts every weight to float and reaches ~120 G MAC/s on
- * this 2-core machine, and the LM head (262,144 x 640) alone took half of a 16-sequence decode step. Here each row of
- * x is quantised to int16 (a power-of-two scale per row, so every value of at least 1/128 of the row's largest is
- * kept exactly) and multiplied against the int8 weights with AVX-512 VNNI's int16 dot product (vpdpwssd), each
- * weight widened to int16 once per ROWS rows: ~2.7x torch at 16 rows (~350 G MAC/s, two thirds of the two cores'
- * vpdpwssd peak) and ~1.5x at one row (memory-bound: ~50 GB/s of weights).
+ * Why not torch's `_weight_int8pack_mm`: it converts every weight to float and multiplies in float32, so with several
+ * rows the conversions and float multiplies bound it, and the LM head (262,144 x 640) is the largest matmul of every
+ * decode step. Here each row of x is quantised to int16 (a power-of-two scale per row, so every value of at least
+ * 1/128 of the row's largest is kept exactly) and multiplied against the int8 weights with AVX-512 VNNI's int16 dot
+ * product (vpdpwssd), each weight widened to int16 once per ROWS rows: at one row the kernel only streams the weights
+ * from memory, at many rows each widened weight serves ROWS rows' dot products. The README's Performance section
+ * has the measurements against torch's kernel.
  *
  * Exactness, hence batch invariance: the int16 x int8 products are summed exactly in int32 over chunks of
  * CHUNK_PAIRS input pairs (256 * 32767 * 127 < 2^31), and the chunks' sums are added in float32 in chunk order.
@@ -17,8 +18,7 @@
  *     tiles[t][p][c][j] = q[t * 64 + c][2p + j],  shape (N / 64, K / 2, 64, 2), N padded with zero rows.
  * So one 32-byte load per 16 columns, widened to int16, is exactly vpdpwssd's operand, with no horizontal sums.
  *
- * Without AVX-512 VNNI, an AVX2 path (vpmaddwd + add) computes the same bits: against torch's kernel on its own AVX2
- * path (ATEN_CPU_CAPABILITY=avx2) on this machine, 8.1 -> 4.6 ms for the head at one row, 46.7 -> 32 ms at 16.
+ * Without AVX-512 VNNI, an AVX2 path (vpmaddwd + add) computes the same bits, for x86-64 CPUs without AVX-512.
  *
  * Threads: OpenMP, which resolves to torch's own libgomp when torch is loaded first (one thread pool, no contention).
  */
@@ -26,6 +26,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "kernels.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && \
     defined(_OPENMP)
@@ -38,8 +40,8 @@
 #include <immintrin.h>
 #include <omp.h>
 
-#define TILE 64         /* output columns per tile */
-#define CHUNK_PAIRS 128 /* input pairs summed exactly in int32 before going to float32 */
+#define TILE INT8_MATMUL_TILE /* output columns per tile */
+#define CHUNK_PAIRS 128        /* input pairs summed exactly in int32 before going to float32 */
 
 int int8_matmul_available(void) { return 1; }
 
@@ -266,8 +268,8 @@ static void row_tile_sums(const int16_t *q, int64_t k, const int8_t *w, float *s
     }
 }
 
-/* x (M, K) bf16, tiles as above, scale (N,) float32 -> out (M, N) bf16, or float32 if float_out. K % 32 == 0.
- * Returns 0, or -1 when the int16 scratch cannot be allocated. */
+/* x (M, K) bf16, tiles as above, scale (N,) float32 -> out (M, N) bf16, or float32 if float_out. K is a multiple of
+ * INT8_MATMUL_K_MULTIPLE. Returns 0, or -1 when the int16 scratch cannot be allocated. */
 int int8_matmul(const uint16_t *x, int64_t m, int64_t k, const int8_t *tiles, const float *scale, int64_t n,
                 void *out, int float_out, int threads) {
     int16_t *q = malloc((size_t)(m * k) * sizeof *q + 64);

@@ -1,129 +1,51 @@
-"""Our C kernels, called through ctypes, for the bf16 hot path where torch is slow on a CPU.
+"""The C kernels' Python side: one wrapper per kernel, and whether each can run here.
 
-- fused.c: the norms, norm + residual add and q/k norm + rotary of a decoder layer. A decode step on this model ran
-  ~2,000 eager torch ops, most on a few hundred numbers at ~4 µs each; these take one call instead of five to fifteen
-  ops. torch has no CPU fusion for them short of torch.compile, whose compile time would exceed our whole start-up.
-- int8_matmul.c (linear.TiledInt8Linear): the weight-only int8 matmul, 1.5x torch's kernel at one row and 2.7x at 16
-  (see its header).
-- paged_attention.c: attention over the paged cache, one call per layer instead of ~40 ops.
-- gelu.c: the gated GELU in one pass; argmax.c: greedy decoding's argmax, ~4x torch's at 16 rows and ~7x at one.
+Our C kernels serve the bf16 hot path where eager torch is slow on a CPU, mostly through fixed per-op costs:
+- fused.c: the norms, norm + residual add and q/k norm + rotary of a decoder layer, each one call in place of the
+  five to fifteen small eager ops torch would run. torch has no CPU fusion for them short of torch.compile, whose
+  compile time would exceed our whole start-up.
+- int8_matmul.c (linear.TiledInt8Linear): the weight-only int8 matmul, int16 activations against int8 weights with
+  exact int32 sums (see its header).
+- paged_attention.c: attention over the paged cache, one call per layer in place of dozens of ops.
+- gelu.c: the gated GELU in one pass; argmax.c: greedy decoding's argmax in one vectorised pass.
+The README's Performance section has what each gains. Each computes the arithmetic of the torch path it replaces.
 
-The sources are compiled on first use with the system C compiler (~1 s) and cached by source hash and CPU; without a
-compiler, or for other dtypes than bfloat16, `library()` is None and the model runs the same arithmetic in torch ops.
-Each kernel also says whether it was compiled in (`*_available()`): the int8 matmul needs AVX-512 VNNI or AVX2, the
-others AVX-512F, and all of them OpenMP; where one is missing its caller keeps the torch path.
+build.py compiles them on first use and caches the build. `library()` is that library, or None where it could not be
+built (no compiler, an unsafe cache directory; build.py logs why) or TOKENMILL_FUSED=0 turns it off; `usable(x)` says
+whether a tensor takes the C path (bf16 on the CPU, and a library). Each threaded kernel also says whether it was
+compiled in (`*_available()`): the int8 matmul needs AVX-512 VNNI or AVX2, the others AVX-512F, and all of them
+OpenMP; where one is missing its caller keeps the torch path, which runs the same arithmetic in torch ops.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from functools import cache
-from pathlib import Path
 
-import platformdirs
 import torch
 
-log = logging.getLogger(__name__)
-SOURCES = [
-    Path(__file__).with_name(name) for name in ("fused.c", "int8_matmul.c", "paged_attention.c", "argmax.c", "gelu.c")
-]
-HEADERS = [Path(__file__).with_name("avx512_common.h")]
-MAX_HEAD_DIM = 1024  # norm_rotary's stack buffer
-_I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-_SIGNATURES = {
-    "rms_norm": [_PTR, _I64, _PTR, _PTR, _I64, _I64, _F32],
-    "add_rms_norm": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32],
-    "norm_rotary": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _F32],
-    "int8_matmul": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, ctypes.c_int, ctypes.c_int],
-    "int8_matmul_available": [],
-    "paged_attention": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _F32, _PTR, ctypes.c_int],
-    "paged_attention_available": [],
-    "argmax_rows": [_PTR, _I64, _I64, _PTR, ctypes.c_int],
-    "argmax_available": [],
-    "gelu_mul": [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_int],
-    "gelu_mul_available": [],
-}
-_RETURNS_INT = {name for name in _SIGNATURES if name.endswith("_available")} | {
-    "int8_matmul",
-    "paged_attention",
-    "argmax_rows",
-}
-MAX_ATTENTION_HEAD_DIM = 512  # paged_attention.c's register tile
+from tokenmill.kernels import build
+
+_LIMITS = build.header_defines()  # kernels.h: the C side's limits, read rather than copied
+MAX_HEAD_DIM = _LIMITS["MAX_HEAD_DIM"]  # norm_rotary's stack buffer
+MAX_ATTENTION_HEAD_DIM = _LIMITS["MAX_ATTENTION_HEAD_DIM"]  # paged_attention's register tile
 
 
 @cache
 def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None: turned off (TOKENMILL_FUSED=0), or not buildable here."""
     if os.environ.get("TOKENMILL_FUSED", "1") == "0":
         return None
-    try:
-        return load(_compiled())
-    except (OSError, subprocess.CalledProcessError) as e:
-        log.warning("fused kernels unavailable (%s); using plain torch ops, which are slower", e)
-        return None
+    return build.library()
 
 
-def load(path: Path) -> ctypes.CDLL:
-    """A compiled kernel library, its functions given their C signatures."""
-    lib = ctypes.CDLL(str(path))
-    for name, argtypes in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, (ctypes.c_int if name in _RETURNS_INT else None)
+def _lib() -> ctypes.CDLL:
+    """The library, for a wrapper whose caller checked `usable` or an `*_available()` first."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the C kernels are not loaded: check ops.usable() or the kernel's *_available() first")
     return lib
-
-
-def build(target: Path, march: str = "native") -> None:
-    """Compiles the kernels into `target` for the CPU `march` names, with OpenMP where the compiler has it."""
-    flags = ["-O3", f"-march={march}", "-ffp-contract=off", "-fPIC", "-shared"]
-    command = [_compiler(), *flags, "-o", str(target), *map(str, SOURCES), "-lm"]
-    try:  # the threaded kernels need OpenMP; without it the rest still compiles (and those kernels say so)
-        subprocess.run([*command, "-fopenmp"], check=True, capture_output=True)
-    except subprocess.CalledProcessError:
-        subprocess.run(command, check=True, capture_output=True)
-
-
-def _compiler() -> str:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise OSError("no C compiler (cc/gcc) on PATH")
-    return compiler
-
-
-def _compiled() -> Path:
-    """This CPU's build, cached by source hash and CPU flags."""
-    _compiler()  # no compiler: no kernels, even where an earlier build is cached
-    sources = b"".join(source.read_bytes() for source in SOURCES + HEADERS)
-    key = hashlib.sha256(sources + platform.machine().encode() + _cpu_flags()).hexdigest()[:16]
-    target = _kernel_dir() / f"fused-{key}.so"
-    if not target.is_file():
-        tmp = target.with_suffix(f".tmp-{os.getpid()}.so")
-        build(tmp)
-        os.replace(tmp, target)
-    return target
-
-
-def _cpu_flags() -> bytes:
-    try:  # -march=native code must not be reused on another CPU through a shared cache directory
-        return next(line for line in Path("/proc/cpuinfo").read_bytes().splitlines() if line.startswith(b"flags"))
-    except (OSError, StopIteration):
-        return b""
-
-
-def _kernel_dir() -> Path:
-    for root in (Path(platformdirs.user_cache_dir("tokenmill")) / "kernels", Path(tempfile.gettempdir()) / "tokenmill"):
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            if os.access(root, os.W_OK):
-                return root
-        except OSError:
-            continue
-    raise OSError("no writable directory for the compiled kernels")
 
 
 @cache
@@ -163,7 +85,7 @@ def rms_norm(x: torch.Tensor, factor: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
     dim = x.shape[-1]
-    library().rms_norm(x.data_ptr(), dim, factor.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps)
+    _lib().rms_norm(x.data_ptr(), dim, factor.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps)
     return out
 
 
@@ -171,7 +93,7 @@ def add_rms_norm(residual: torch.Tensor, y: torch.Tensor, factor: torch.Tensor, 
     """residual + rms_norm(y), both (T, D) bf16."""
     residual, y = residual.contiguous(), y.contiguous()
     out = torch.empty_like(residual)
-    library().add_rms_norm(residual.data_ptr(), y.data_ptr(), factor.data_ptr(), out.data_ptr(), *y.shape, eps)
+    _lib().add_rms_norm(residual.data_ptr(), y.data_ptr(), factor.data_ptr(), out.data_ptr(), *y.shape, eps)
     return out
 
 
@@ -186,7 +108,7 @@ def norm_rotary(
         x = x.contiguous()
     cos, signed_sin = cos.contiguous(), signed_sin.contiguous()
     out = torch.empty(t, heads, d, dtype=x.dtype)
-    library().norm_rotary(
+    _lib().norm_rotary(
         x.data_ptr(),
         x.stride(0),
         factor.data_ptr(),
@@ -210,7 +132,7 @@ def int8_matmul(
     m, k = x.shape
     out = torch.empty(m, n, dtype=out_dtype)
     float_out = int(out_dtype == torch.float32)
-    if m and library().int8_matmul(
+    if m and _lib().int8_matmul(
         x.data_ptr(), m, k, tiles.data_ptr(), scale.data_ptr(), n, out.data_ptr(), float_out, torch.get_num_threads()
     ):
         raise MemoryError(f"int8_matmul: no memory for a ({m}, {k}) int16 scratch")
@@ -231,7 +153,7 @@ def paged_attention(
     if q.stride(2) != 1 or q.stride(1) != d:
         q = q.contiguous()
     out = torch.empty(t, hq, d, dtype=torch.bfloat16)
-    if t and library().paged_attention(
+    if t and _lib().paged_attention(
         q.data_ptr(),
         q.stride(0),
         k_cache.data_ptr(),
@@ -257,7 +179,7 @@ def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate_up = gate_up.contiguous()
     t, f = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(t, f, dtype=torch.bfloat16)
-    library().gelu_mul(gate_up.data_ptr(), gate_up.stride(0), t, f, out.data_ptr(), torch.get_num_threads())
+    _lib().gelu_mul(gate_up.data_ptr(), gate_up.stride(0), t, f, out.data_ptr(), torch.get_num_threads())
     return out
 
 
@@ -266,6 +188,6 @@ def argmax_rows(x: torch.Tensor) -> list[int]:
     if not (argmax_available() and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous()):
         return x.argmax(dim=-1).tolist()
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    if library().argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads()):
+    if _lib().argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads()):
         raise MemoryError("argmax_rows: no memory for the per-segment results")
     return out.tolist()

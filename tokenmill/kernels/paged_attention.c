@@ -1,6 +1,6 @@
 /* Softmax attention of bfloat16 query rows over their keys in the paged KV cache, one (row, head) at a time.
  *
- * Why: in torch, attention over a paged cache is ~40 eager ops per layer (gathers, float32 copies, masked chunked
+ * Why: in torch, attention over a paged cache is dozens of eager ops per layer (gathers, float32 copies, masked chunked
  * matmuls, cumulative sums) whose fixed costs dominate a decode step's attention; here it is one call per layer.
  *
  * Batch invariance: each (query row, head) is computed from its own query and the keys it sees, by the same loops
@@ -15,6 +15,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "kernels.h"
+
 #if defined(__AVX512F__) && defined(_OPENMP)
 #include <immintrin.h>
 #include <math.h>
@@ -28,13 +30,12 @@ int paged_attention_available(void) { return 1; }
  * Each head's numbers come from the same loops whatever the grouping: the dot product over d in 16 lanes (one FMA
  * chain per lane), reduced in a fixed order; the softmax and the weighted sum of values in key order. The grouping
  * only shares the loads of keys and values (and computes two keys at a time to keep the FMA units busy). */
-#define MAX_HEAD_DIM 512
 #define GROUP 4
 static inline __attribute__((always_inline)) void attend_group(
     const uint16_t *q, int64_t q_head_stride, const uint16_t *k_cache, const uint16_t *v_cache,
     const int64_t *slots, int64_t count, int64_t slot_stride, int64_t d, float scale, float *scores,
     uint16_t *out, const int GS) {
-    __m512 qf[GROUP][MAX_HEAD_DIM / 16];
+    __m512 qf[GROUP][MAX_ATTENTION_HEAD_DIM / 16];
     int64_t lanes = d / 16;
     for (int g = 0; g < GS; g++)
         for (int64_t i = 0; i < lanes; i++) qf[g][i] = load_bf16(q + g * q_head_stride + 16 * i);
@@ -111,7 +112,7 @@ static inline __attribute__((always_inline)) void attend_group(
 int paged_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                     const int64_t *slots, const int64_t *offset, const int64_t *count, int64_t rows, int64_t hq,
                     int64_t hkv, int64_t d, float scale, uint16_t *out, int threads) {
-    if (d % 16 || d > MAX_HEAD_DIM || hq % hkv) return -1;
+    if (d % 16 || d > MAX_ATTENTION_HEAD_DIM || hq % hkv) return -1;
     int64_t longest = 1, group = hq / hkv, parts = (group + GROUP - 1) / GROUP;
     for (int64_t r = 0; r < rows; r++) longest = count[r] > longest ? count[r] : longest;
     int failed = 0;

@@ -1,0 +1,45 @@
+/* What the C kernels and their Python side (tokenmill/kernels/ops.py, build.py) share: every exported function's
+ * prototype and the size limits both sides check. The single truth for both:
+ * - each .c file includes this header, so the compiler rejects a definition that drifts from its prototype;
+ * - build.py reads the #defines below at import (a `#define NAME <integer>` per line), and
+ *   tests/kernels/test_signatures.py checks build.py's ctypes table against these prototypes.
+ * bfloat16 tensors are passed as uint16_t pointers (their bits); every pointer is a ctypes c_void_p on the Python side.
+ */
+#ifndef TOKENMILL_KERNELS_H
+#define TOKENMILL_KERNELS_H
+#include <stdint.h>
+
+/* norm_rotary's largest head: its per-head float32 buffer lives on the stack (fused.c) */
+#define MAX_HEAD_DIM 1024
+/* paged_attention's largest head: the query heads of a group are held in registers (paged_attention.c) */
+#define MAX_ATTENTION_HEAD_DIM 512
+/* int8_matmul's weight tiles: output columns per tile, and the multiple its input width must be (int8_matmul.c) */
+#define INT8_MATMUL_TILE 64
+#define INT8_MATMUL_K_MULTIPLE 32
+
+/* fused.c: the norms and q/k norm + rotary, row by row (always compiled in) */
+void rms_norm(const uint16_t *x, int64_t stride, const float *factor, uint16_t *out, int64_t rows, int64_t dim,
+              float eps);
+void add_rms_norm(const uint16_t *residual, const uint16_t *y, const float *factor, uint16_t *out, int64_t rows,
+                  int64_t dim, float eps);
+void norm_rotary(const uint16_t *x, int64_t stride, const float *factor, const uint16_t *cos,
+                 const uint16_t *signed_sin, uint16_t *out, int64_t rows, int64_t heads, int64_t dim, float eps);
+
+/* The threaded kernels: each says whether it was compiled in (1) or is a stub (0) that returns -1 or does nothing,
+ * as its CPU features and OpenMP were or were not there at compile time. */
+int int8_matmul_available(void);
+int int8_matmul(const uint16_t *x, int64_t m, int64_t k, const int8_t *tiles, const float *scale, int64_t n,
+                void *out, int float_out, int threads);
+
+int paged_attention_available(void);
+int paged_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                    const int64_t *slots, const int64_t *offset, const int64_t *count, int64_t rows, int64_t hq,
+                    int64_t hkv, int64_t d, float scale, uint16_t *out, int threads);
+
+int argmax_available(void);
+int argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out, int threads);
+
+int gelu_mul_available(void);
+void gelu_mul(const uint16_t *gate_up, int64_t stride, int64_t rows, int64_t f, uint16_t *out, int threads);
+
+#endif
