@@ -10,8 +10,9 @@ positions become exact zeros, and the chunks' partial sums are added strictly in
 Either way a row gets the same bits whether it is decoded alone, decoded beside fifteen other sequences (one call for
 all rows of a step), or computed inside a prompt's prefill, from a cached prefix or after a preemption.
 
-Why not one SDPA call per sequence: on a 2-core CPU its per-call overhead (GQA expansion, the math fallback) cost
-~80 µs per sequence and layer, a third of a 16-sequence decode step.
+Why not one SDPA call per sequence: its fixed per-call cost (GQA expansion, the math fallback on a CPU) is paid per
+sequence and layer, so it grows with the batch, where one call per layer does not (see the README's Performance
+section).
 """
 
 from __future__ import annotations
@@ -194,7 +195,7 @@ def _attend(
 ) -> torch.Tensor:
     hkv, (_, hq, d) = k_cache.shape[1], q.shape
     rows = q.view(-1, batch.num_rows, hkv, hq // hkv, d)  # (B, M, Hkv, G, D)
-    slots = batch.key_slots.view(-1)  # index_select copies whole rows; fancy indexing was ~6x slower here
+    slots = batch.key_slots.view(-1)  # index_select copies whole rows; fancy indexing goes element by element
     keys = k_cache.index_select(0, slots).view(*batch.key_slots.shape, hkv, d)
     values = v_cache.index_select(0, slots).view(*batch.key_slots.shape, hkv, d)
     return attend_rows(rows, keys, values, batch.hidden(hq // hkv), scale)

@@ -2,9 +2,10 @@
 
 A decode step reads every weight once per token, so on a memory-bound CPU the step time follows the weights' bytes:
 int8 halves bf16's. With bf16 activations on a CPU with AVX-512 VNNI or AVX2, int8 layers run our own kernel
-(TiledInt8Linear, int8_matmul.c: ~1.5x torch's at one row, ~2.7x at 16 with AVX-512); otherwise torch's CPU kernels do the matmul
-(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`). Quantising changes logits, so the unquantised modes stay for
-scoring.
+(TiledInt8Linear, int8_matmul.c: int16 activations against int8 weights in integer dot products, where torch's kernel
+converts every weight to float; the README's Performance section measures both); otherwise torch's CPU kernels do
+the matmul (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`). Quantising changes logits, so the unquantised
+modes stay for scoring.
 
 Batch invariance: a row's result must not depend on how many other rows share the matmul, or a request's text would
 depend on the load. bf16 (oneDNN), torch's int8/int4 kernels and ours give the same row results for every batch size;
