@@ -1,4 +1,5 @@
-"""Time-bounded async access to the app: every request and every stream read gives up after TIMEOUT seconds."""
+"""Helpers the API tests share: request bodies, OpenAI error checks, the real engine on the tiny model, and time-bounded
+async access to the app (every request and every stream read gives up after TIMEOUT seconds)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,18 @@ from typing import Any, TypeVar
 import httpx
 from fastapi import FastAPI
 
+from tests.engine.tiny import tiny_core
+from tokenmill.engine.engine import AsyncEngine
+
 TIMEOUT = 10.0
-MODEL = "fake-model"
+MODEL = "fake-model"  # what FakeEngine serves
+TINY_MODEL = "tiny"  # what tiny_engine() serves
 T = TypeVar("T")
+
+
+def tiny_engine() -> AsyncEngine:
+    """The real AsyncEngine on the tiny random-weight model (tests/engine/tiny.py), not yet started."""
+    return AsyncEngine(tiny_core(), TINY_MODEL, "fp_tiny")
 
 
 def run(make: Callable[[], Awaitable[T]], timeout: float = TIMEOUT) -> T:
@@ -20,6 +30,16 @@ def run(make: Callable[[], Awaitable[T]], timeout: float = TIMEOUT) -> T:
         return await asyncio.wait_for(make(), timeout)
 
     return asyncio.run(bounded())
+
+
+def assert_openai_error(response: httpx.Response, status: int, code: str | None = None) -> dict[str, Any]:
+    """The response has `status` and OpenAI's error body (and `code`, if given); returns the error object."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    if code is not None:
+        assert error["code"] == code
+    return error
 
 
 def body(**fields: Any) -> dict[str, Any]:

@@ -6,21 +6,12 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.api.api_helpers import MODEL, body
+from tests.api.api_helpers import MODEL, assert_openai_error, body
 from tests.api.fake_engine import CharTokenizer, FakeEngine
 from tokenmill.api.app import create_app
 from tokenmill.config import Config
 
 KEYS = ("key-one", "key-two")
-
-
-def assert_openai_error(response: Any, status: int, code: str | None = None) -> dict[str, Any]:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    if code is not None:
-        assert error["code"] == code
-    return error
 
 
 @pytest.fixture
@@ -166,9 +157,22 @@ def test_unexpected_exception_is_a_500_in_openai_shape_and_serving_goes_on() -> 
         assert client.post("/v1/completions", json=body(prompt=[5])).status_code == 200
 
 
-def test_server_keeps_serving_after_bad_requests(client: TestClient) -> None:
-    for payload in [body(temperature=9), body(model="nope"), {"prompt": []}, body(best_of=0)]:
-        assert client.post("/v1/completions", json=payload).status_code in (400, 404)
-    client.post("/v1/completions", content=b"{oops", headers={"content-type": "application/json"})
+BAD_COMPLETIONS: list[tuple[dict[str, Any], int, str | None, str]] = [
+    (body(temperature=9), 400, None, "temperature"),
+    (body(model="nope"), 404, "model_not_found", "model"),
+    ({"prompt": []}, 400, None, "model"),  # no model: the first problem named
+    (body(best_of=0), 400, None, "best_of"),
+]
+
+
+def test_server_keeps_serving_after_bad_requests(client: TestClient, engine: FakeEngine) -> None:
+    for payload, status, code, param in BAD_COMPLETIONS:
+        error = assert_openai_error(client.post("/v1/completions", json=payload), status, code)
+        assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", code, param), payload
+    broken = client.post("/v1/completions", content=b"{oops", headers={"content-type": "application/json"})
+    error = assert_openai_error(broken, 400)
+    assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", None, None)
+    assert "not valid JSON" in error["message"]
+    assert engine.requests == []  # none of them reached the engine
     assert client.post("/v1/completions", json=body(max_tokens=2)).json()["choices"][0]["text"] == "Th"
     assert client.get("/health").status_code == 200
