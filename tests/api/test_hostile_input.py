@@ -15,8 +15,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.api.test_app import assert_openai_error
-from tests.api.test_real_engine import MODEL, tiny_engine
+from tests.api.api_helpers import TINY_MODEL, assert_openai_error, tiny_engine
 from tokenmill.api.app import create_app
 from tokenmill.config import Config
 
@@ -30,7 +29,7 @@ def client() -> Iterator[TestClient]:
 
 
 def raw(**fields: Any) -> bytes:
-    return json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2, **fields}).encode()
+    return json.dumps({"model": TINY_MODEL, "prompt": "hi", "max_tokens": 2, **fields}).encode()
 
 
 def nested(depth: int) -> bytes:
@@ -71,7 +70,9 @@ def test_hostile_body_is_a_clear_400(
 
 @pytest.mark.parametrize("prompt", ["".join(map(chr, range(32))) * 3, "\x00" * 50, "\u202e\ufeff\u200b", "\x7f\x1b[2J"])
 def test_prompts_of_control_characters_are_served(client: TestClient, prompt: str) -> None:
-    response = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 3, "echo": True})
+    response = client.post(
+        "/v1/completions", json={"model": TINY_MODEL, "prompt": prompt, "max_tokens": 3, "echo": True}
+    )
     assert response.status_code == 200
     assert response.json()["choices"][0]["text"].startswith(prompt)
 
@@ -97,10 +98,12 @@ def test_api_keys_are_compared_in_constant_time_and_never_logged(
     caplog.set_level(logging.DEBUG)
     config = Config(api_key=(SECRET, "another-key"), log_level="debug")
     with TestClient(create_app(tiny_engine(), config), raise_server_exceptions=False) as secured:
-        wrong = secured.post("/v1/completions", json={"model": MODEL}, headers={"Authorization": f"Bearer {SECRET}x"})
+        wrong = secured.post(
+            "/v1/completions", json={"model": TINY_MODEL}, headers={"Authorization": f"Bearer {SECRET}x"}
+        )
         right = secured.post(
             "/v1/completions",
-            json={"model": MODEL, "prompt": "hi", "max_tokens": 1},
+            json={"model": TINY_MODEL, "prompt": "hi", "max_tokens": 1},
             headers={"Authorization": f"Bearer {SECRET}"},
         )
     error = assert_openai_error(wrong, 401, "invalid_api_key")

@@ -3,23 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.api.api_helpers import call_then_disconnect, parse_sse, run
-from tests.engine.tiny import tiny_core
+from tests.api.api_helpers import TINY_MODEL, call_then_disconnect, parse_sse, run, tiny_engine
 from tokenmill.api.app import create_app
 from tokenmill.config import Config
-from tokenmill.engine.engine import AsyncEngine
-
-MODEL = "tiny"
-
-
-def tiny_engine() -> AsyncEngine:
-    return AsyncEngine(tiny_core(), MODEL, "fp_tiny")
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +23,7 @@ def client() -> Iterator[TestClient]:
 
 
 def complete(client: TestClient, **fields: Any) -> dict[str, Any]:
-    response = client.post("/v1/completions", json={"model": MODEL, "temperature": 0, **fields})
+    response = client.post("/v1/completions", json={"model": TINY_MODEL, "temperature": 0, **fields})
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -44,7 +38,7 @@ def complete(client: TestClient, **fields: Any) -> dict[str, Any]:
 )
 def test_stream_joined_equals_non_stream(client: TestClient, fields: dict[str, Any]) -> None:
     plain = complete(client, **fields)
-    response = client.post("/v1/completions", json={"model": MODEL, "temperature": 0, **fields, "stream": True})
+    response = client.post("/v1/completions", json={"model": TINY_MODEL, "temperature": 0, **fields, "stream": True})
     events = parse_sse(response.text)
     assert events[-1] == "[DONE]"
     texts: dict[int, str] = {}
@@ -71,14 +65,28 @@ def test_best_of_counts_every_candidate(client: TestClient) -> None:
     assert len(out["choices"]) == 1 and out["usage"]["completion_tokens"] == 15
 
 
+def test_stats_count_the_steps_and_tokens_of_a_request(client: TestClient) -> None:
+    before = client.get("/stats").json()
+    no_eos = {"1": -100}  # ByteTokenizer.eos_id: the request runs to max_tokens
+    out = complete(client, prompt="Counting steps", max_tokens=7, logit_bias=no_eos)
+    after = client.get("/stats").json()
+    usage = out["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (15, 7)  # <bos> + 14 bytes
+    # one prefill step samples the first token, then one decode step per further token;
+    # the last token sampled is never fed back, so it is never computed
+    assert after["steps"] - before["steps"] == 7
+    assert after["tokens_computed"] - before["tokens_computed"] == 15 + 7 - 1
+    assert (after["num_running"], after["num_used_blocks"]) == (0, 0)
+
+
 def test_disconnect_mid_stream_frees_the_kv_blocks() -> None:
-    async def scenario() -> dict[str, int]:
+    async def scenario() -> tuple[list[dict[str, Any]], dict[str, int]]:
         engine = tiny_engine()
         await engine.start()
         try:
             no_eos = {"1": -100}  # ByteTokenizer.eos_id: only the disconnect can end these early
             payload = {
-                "model": MODEL,
+                "model": TINY_MODEL,
                 "prompt": ["Hello", "World"],
                 "max_tokens": 400,
                 "stream": True,
@@ -92,11 +100,16 @@ def test_disconnect_mid_stream_frees_the_kv_blocks() -> None:
             sent = await call_then_disconnect(create_app(engine, Config()), payload, after_first_chunk)
             while engine.stats().num_running or engine.stats().num_used_blocks:
                 await asyncio.sleep(0.01)
-            done = any(b"[DONE]" in m.get("body", b"") for m in sent)
-            return {"used": engine.stats().num_used_blocks, "steps": engine.stats().steps, "done": int(done)}
+            return sent, dataclasses.asdict(engine.stats())
         finally:
             await engine.stop()
 
-    stats = run(scenario)
-    assert stats == {"used": 0, "steps": stats["steps"], "done": 0}  # cut short, and every block back
-    assert stats["steps"] < 400
+    sent, stats = run(scenario)
+    raw = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body").decode()
+    events = parse_sse(raw)
+    assert "[DONE]" not in events  # cut short
+    chunks_per_choice = Counter(c["index"] for event in events for c in event["choices"])
+    assert chunks_per_choice and stats["num_used_blocks"] == 0  # every block back
+    # each chunk carries at least one token and each token of a choice takes its own step; 400 would be the full run
+    assert max(chunks_per_choice.values()) <= stats["steps"] < 400
+    assert stats["tokens_computed"] >= 2 * 6 + stats["steps"] - 2  # both prompts (<bos> + 5 bytes), then decodes
