@@ -66,12 +66,11 @@ def test_choices_are_prompt_major_with_n(client: TestClient, engine: FakeEngine)
 
 
 def test_finish_reasons(client: TestClient) -> None:
-    assert complete(client, max_tokens=100)["choices"][0] | {"index": 0} == {
-        "text": SCRIPT,
-        "index": 0,
-        "logprobs": None,
-        "finish_reason": "stop",
-    }
+    out = complete(client, prompt=["a", "b"], n=2, max_tokens=100)
+    assert out["choices"] == [  # prompt-major: prompt i's choice j has index 2i + j and writes script j in full
+        {"text": scripted_text(j), "index": index, "logprobs": None, "finish_reason": "stop"}
+        for index, j in enumerate([0, 1, 0, 1])
+    ]
     stopped = complete(client, max_tokens=100, stop=["fox", "dog"])["choices"][0]
     assert (stopped["text"], stopped["finish_reason"]) == ("The quick brown ", "stop")
     assert complete(client, max_tokens=3)["choices"][0]["finish_reason"] == "length"
