@@ -38,22 +38,26 @@ T = TypeVar("T")
 
 
 class Tokenizer(Protocol):
-    vocab_size: int
     bos_id: int | None
     eos_id: int | None
 
+    @property
+    def vocab_size(self) -> int: ...
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str: ...
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
 
 
 class Engine(Protocol):
     """What the HTTP edge needs of tokenmill.engine.engine.AsyncEngine."""
 
-    tokenizer: Tokenizer
     max_model_len: int
     model_name: str
     system_fingerprint: str
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
 
     def is_healthy(self) -> bool: ...
 

@@ -38,7 +38,8 @@ def transformers_gemma3(
         },
         hidden_activation="gelu_pytorch_tanh",
         tie_word_embeddings=True,
-        attn_implementation=attn_implementation,
+        # PretrainedConfig takes it through **kwargs; Gemma3TextConfig's typed signature does not list it
+        attn_implementation=attn_implementation,  # type: ignore[call-arg]
     )
     model = Gemma3ForCausalLM(hf_config)
     missing, unexpected = model.load_state_dict(state_dict, strict=False)

@@ -91,14 +91,17 @@ def _llama(tokens: list[str], scores: Sequence[float], add_prefix_space: bool) -
 def _byte_level(tokens: list[str], merges: Sequence[str], pre: str | None) -> tuple[HFTokenizer, dict[str, int]]:
     """GPT-2-style byte-level BPE (Llama 3, Qwen 2): the file lists its merges."""
     vocab = {t: i for i, t in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    pairs = [(left, right) for left, right in (m.split(" ", 1) for m in merges)]
     model = BPE(vocab=vocab, merges=pairs, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
     tok = HFTokenizer(model)
     split = SPLIT_REGEXES.get(pre or "")
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split is None)
-    if split is not None:
-        byte_level = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])
-    tok.pre_tokenizer = byte_level
+    if split is None:
+        tok.pre_tokenizer = byte_level
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level]
+        )
     tok.decoder = decoders.ByteLevel()
     return tok, vocab
 

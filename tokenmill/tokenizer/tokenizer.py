@@ -120,15 +120,14 @@ class Tokenizer:
 
 def _set_post_processor(tok: HFTokenizer, special: SpecialTokens, bos_id: int | None, eos_id: int | None) -> None:
     """BOS/EOS around each encoded text as the settings say; `transformers` rebuilds its post-processor the same way."""
-    add_bos = special.add_bos and bos_id is not None
-    add_eos = special.add_eos and eos_id is not None
-    if not (add_bos or add_eos):
+    bos = (special.bos_token, bos_id) if special.add_bos and special.bos_token and bos_id is not None else None
+    eos = (special.eos_token, eos_id) if special.add_eos and special.eos_token and eos_id is not None else None
+    if bos is None and eos is None:
         tok.post_processor = None
         return
-    bos, eos = special.bos_token, special.eos_token
-    single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
-    pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
-    tokens = [(t, i) for t, i, on in ((bos, bos_id, add_bos), (eos, eos_id, add_eos)) if on]
+    single = f"{bos[0] + ':0 ' if bos else ''}$A:0{' ' + eos[0] + ':0' if eos else ''}"
+    pair = f"{single}{' ' + bos[0] + ':1' if bos else ''} $B:1{' ' + eos[0] + ':1' if eos else ''}"
+    tokens = [token for token in (bos, eos) if token is not None]
     tok.post_processor = processors.TemplateProcessing(
         single=single, pair=pair, special_tokens=list(dict(tokens).items())
     )

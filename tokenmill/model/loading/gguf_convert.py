@@ -97,7 +97,7 @@ def gguf_config(meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]])
         return meta.get(f"{arch}.{name}", default)
 
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
-    common = {
+    common: dict[str, Any] = {  # ModelConfig fields shared by every architecture
         "architecture": arch,
         "vocab_size": tensor_shapes["token_embd.weight"][0],
         "hidden_size": hidden,

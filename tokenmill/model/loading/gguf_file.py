@@ -92,7 +92,7 @@ class _Cursor:
 def read_gguf_file(path: str) -> tuple[dict[str, Any], list[GgufTensor]]:
     """(metadata, tensors) of a little-endian GGUF file (versions 2 and 3)."""
     mapped = np.memmap(path, dtype=np.uint8, mode="r")
-    cur = _Cursor(memoryview(mapped))
+    cur = _Cursor(mapped.data)  # ndarray.data: a memoryview of the mapping, no copy
     if bytes(mapped[:4]) != MAGIC:
         raise GgufFormatError(f"{path} is not a GGUF file")
     cur.pos = 4

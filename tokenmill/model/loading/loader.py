@@ -166,7 +166,7 @@ def _load_aligned(path: Path) -> dict[str, torch.Tensor]:
             tensor = torch.empty(info["shape"], dtype=_SAFETENSORS_DTYPES[info["dtype"]])
             begin, end = info["data_offsets"]
             f.seek(8 + header_len + begin)
-            if tensor.numel() and f.readinto(memoryview(tensor.view(-1).view(torch.uint8).numpy())) != end - begin:
+            if tensor.numel() and f.readinto(tensor.view(-1).view(torch.uint8).numpy().data) != end - begin:
                 raise OSError(f"{path} is truncated at tensor {name}")
             out[name] = tensor
     return out
