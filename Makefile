@@ -1,4 +1,4 @@
-# Two commands for a newcomer: `make serve` (install + start on the default model) and `make test`.
+# Two commands for a newcomer: `make serve` (install + start on the default model) and `make test` (style, types, tests).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -19,11 +19,14 @@ $(VENV)/.installed: pyproject.toml
 serve: install
 	$(VENV)/bin/tokenmill serve --host $(HOST) --port $(PORT)
 
-test: install
+test: lint
 	$(PY) -m pytest -q
 
-test-fast: install
+test-fast: lint
 	$(PY) -m pytest -q -m "not e2e"
 
+# The style CI enforces: lint, formatting and types (mypy's settings are in pyproject.toml).
 lint: install
-	$(VENV)/bin/ruff check tokenmill tests
+	$(VENV)/bin/ruff check tokenmill tests scripts
+	$(VENV)/bin/ruff format --check tokenmill tests scripts
+	$(VENV)/bin/mypy

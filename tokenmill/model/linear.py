@@ -46,6 +46,9 @@ def tile_int8(q: torch.Tensor) -> torch.Tensor:
 class Int8Linear(nn.Module):
     """Symmetric per-output-channel int8 weights: w ≈ q * scale."""
 
+    qweight: torch.Tensor
+    scale: torch.Tensor
+
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor) -> None:
         super().__init__()
         self.register_buffer("qweight", qweight)  # (N, K) int8
@@ -73,6 +76,9 @@ class Int8Linear(nn.Module):
 
 class TiledInt8Linear(nn.Module):
     """The same int8 weights in int8_matmul.c's tile layout, multiplied by that kernel (bf16 activations only)."""
+
+    tiles: torch.Tensor
+    scale: torch.Tensor
 
     def __init__(self, tiles: torch.Tensor, scale: torch.Tensor) -> None:
         super().__init__()
@@ -123,6 +129,9 @@ class Int8Embedding(nn.Module):
 
 class Int4Linear(nn.Module):
     """Asymmetric int4 weights in groups of 32 along the input dim: w ≈ (q - 8) * scale + zero."""
+
+    qweight: torch.Tensor
+    scales_and_zeros: torch.Tensor
 
     def __init__(self, qweight: torch.Tensor, scales_and_zeros: torch.Tensor) -> None:
         super().__init__()
@@ -197,7 +206,7 @@ def prepare_linears(model: nn.Module, quantization: str) -> None:
             if isinstance(child, nn.Linear) and child.bias is None:
                 setattr(parent, name, make_linear(child.weight.data, quantization))
     if getattr(model, "lm_head", None) is None:  # tied: the head gets its own module
-        model.lm_head = make_linear(model.get_submodule("model.embed_tokens").weight.data, quantization)
+        model.lm_head = make_linear(_embedding(model).weight.data, quantization)
         _look_up_in_int8_head(model)
 
 
@@ -216,7 +225,14 @@ def adopt_prepared(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> Non
 def _look_up_in_int8_head(model: nn.Module) -> None:
     """A tied int8 head also serves the embedding lookups; the full-precision table goes."""
     if isinstance(model.lm_head, Int8Linear | TiledInt8Linear):
-        model.model.embed_tokens = Int8Embedding(model.lm_head)
+        model.get_submodule("model").embed_tokens = Int8Embedding(model.lm_head)
+
+
+def _embedding(model: nn.Module) -> nn.Embedding:
+    embed = model.get_submodule("model.embed_tokens")
+    if not isinstance(embed, nn.Embedding):
+        raise TypeError(f"a tied LM head is made from the embedding table, not from {type(embed).__name__}")
+    return embed
 
 
 def prepared_layout(dtype: torch.dtype, quantization: str) -> str:
