@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.e2e.conftest import MODEL, Reference, Server
+from tests.e2e.server import MODEL, Reference, Server
 
 TASK_DIR = Path(__file__).parent / "lm_eval_task"
 TOLERANCE = 1e-3  # per-item log-likelihood, fp32 server vs fp32 transformers

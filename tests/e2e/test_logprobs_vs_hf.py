@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import torch
 
-from tests.e2e.conftest import MODEL, Reference, Server
+from tests.e2e.server import MODEL, Reference, Server
 
 TOLERANCE = 1e-3
 TEXTS = [

@@ -13,7 +13,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from tests.e2e.conftest import MODEL, Server
+from tests.e2e.server import MODEL, Server
 
 NODE_DIR = Path(__file__).parent / "node"
 PROMPT = "The capital of France is"  # the script's prompt

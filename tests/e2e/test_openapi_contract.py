@@ -1,6 +1,6 @@
 """Every request field through the official `openai` client, stream and non-stream; each body checked by the schema.
 
-The checking itself happens in conftest.py's transport wrapper for every test of this tier; these requests make sure
+The checking itself happens in contract.py's transport wrapper for every test of this tier; these requests make sure
 each field and each response variant (echo, logprobs, n, best_of, usage chunks, errors) passes through it.
 """
 
@@ -13,8 +13,8 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e import conftest
-from tests.e2e.conftest import MODEL, Server
+from tests.e2e import contract
+from tests.e2e.server import MODEL, Server
 
 VARIANTS: list[dict[str, Any]] = [  # each greedy or seeded, so the stream must repeat the non-streamed text
     {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0},
@@ -38,10 +38,10 @@ VARIANTS: list[dict[str, Any]] = [  # each greedy or seeded, so the stream must 
 @pytest.mark.parametrize("fields", VARIANTS)
 def test_every_field_streamed_and_not_matches_the_schema(server: Server, fields: dict[str, Any]) -> None:
     client = server.client()
-    before = conftest.CHECKED["bodies"]
+    before = contract.CHECKED["bodies"]
     full = client.completions.create(model=MODEL, **fields)
     chunks = list(client.completions.create(model=MODEL, stream=True, stream_options={"include_usage": True}, **fields))
-    assert conftest.CHECKED["bodies"] == before + 2  # both bodies went through the schema check
+    assert contract.CHECKED["bodies"] == before + 2  # both bodies went through the schema check
     assert full.usage is not None and chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
     streamed: dict[int, str] = {}
@@ -52,9 +52,9 @@ def test_every_field_streamed_and_not_matches_the_schema(server: Server, fields:
 
 
 def test_best_of_response_matches_the_schema(server: Server) -> None:
-    before = conftest.CHECKED["bodies"]
+    before = contract.CHECKED["bodies"]
     r = server.client().completions.create(model=MODEL, prompt="Hi", max_tokens=4, best_of=3, n=2, seed=5)
-    assert len(r.choices) == 2 and conftest.CHECKED["bodies"] == before + 1
+    assert len(r.choices) == 2 and contract.CHECKED["bodies"] == before + 1
 
 
 def test_async_client_responses_are_checked_too(server: Server) -> None:
@@ -64,9 +64,9 @@ def test_async_client_responses_are_checked_too(server: Server) -> None:
             stream = await client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0, stream=True)
             return [r.choices[0].text, "".join([c.choices[0].text async for c in stream])]
 
-    before = conftest.CHECKED["bodies"]
+    before = contract.CHECKED["bodies"]
     texts = asyncio.run(asyncio.wait_for(go(), 120))
-    assert texts[0] == texts[1] and conftest.CHECKED["bodies"] == before + 2
+    assert texts[0] == texts[1] and contract.CHECKED["bodies"] == before + 2
 
 
 @pytest.mark.parametrize(
@@ -81,10 +81,10 @@ def test_async_client_responses_are_checked_too(server: Server) -> None:
 def test_errors_raise_the_client_error_class_and_match_the_schema(
     server: Server, fields: dict[str, Any], error_class: type[openai.APIStatusError], param: str
 ) -> None:
-    before = conftest.CHECKED["bodies"]
+    before = contract.CHECKED["bodies"]
     with pytest.raises(error_class) as raised:
         server.client().completions.create(**{"model": MODEL, "prompt": "x", **fields})
     assert raised.value.body is not None and raised.value.body["param"] == param  # type: ignore[index]
     raw = httpx.post(server.base_url + "/v1/completions", json={"model": MODEL, "prompt": "x", **fields}, timeout=30)
     assert raw.status_code == raised.value.status_code
-    assert conftest.CHECKED["bodies"] == before + 2
+    assert contract.CHECKED["bodies"] == before + 2

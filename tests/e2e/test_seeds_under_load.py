@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import MODEL, Server
+from tests.e2e.server import MODEL, Server
 
 ROUNDS = 20
 SEEDED = {"prompt": "Write a short poem about the sea:", "max_tokens": 24, "temperature": 1.0, "seed": 1234}
