@@ -13,8 +13,12 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
-from tokenmill.model.model_config import UnsupportedModelError
 from tokenmill.tokenizer.special import SpecialTokens
+
+
+class UnsupportedTokenizerError(ValueError):
+    """The GGUF names a tokenizer model (`tokenizer.ggml.model`) that no builder here reproduces."""
+
 
 SPACE = "\u2581"  # SentencePiece's visible space
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
@@ -41,7 +45,7 @@ def build_gguf_tokenizer(meta: Mapping[str, Any]) -> tuple[HFTokenizer, SpecialT
     elif kind == "gpt2":
         tok, vocab = _byte_level(tokens, meta[KEY + "merges"], meta.get(KEY + "pre"))
     else:
-        raise UnsupportedModelError(f"unsupported GGUF tokenizer model {kind!r}; supported: llama, gpt2")
+        raise UnsupportedTokenizerError(f"unsupported GGUF tokenizer model {kind!r}; supported: llama, gpt2")
     _add_typed_tokens(tok, tokens, types, vocab)
     return tok, _special_tokens(meta, tokens, kind)
 
