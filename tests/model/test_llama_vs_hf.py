@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.tiny_model import write_tokenizer_files
+from tests.tokenizer.reference import TEXTS, assert_same_as_transformers
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loading.loader import load_model_files
 
@@ -137,8 +138,6 @@ def test_llama_gguf_loads_back_to_the_hf_weights(tmp_path: Path) -> None:
 
 def test_llama_gguf_tokenizer_matches_transformers(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
-
-    from tests.test_tokenizer import TEXTS, assert_same_as_transformers
 
     write_hf_model(tmp_path / "hf", "llama")
     hf = load_model_files(str(tmp_path / "hf"), str(tmp_path / "cache"), torch.float32)

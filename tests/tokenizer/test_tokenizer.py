@@ -7,36 +7,9 @@ from pathlib import Path
 import pytest
 
 from tests.tiny_model import tiny_gguf_metadata, tiny_tokenizer
+from tests.tokenizer.reference import TEXTS, assert_same_as_transformers
 from tokenmill.tokenizer import Tokenizer
 from tokenmill.tokenizer.gguf import _merges_by_score, _merges_in_file_order
-
-TEXTS = [
-    "The capital of France is",
-    "def fib(n: int) -> int:\n\tif n < 2:\n\t\treturn n\n    return fib(n - 1) + fib(n - 2)\n",
-    "  leading spaces, trailing spaces   ",
-    "many     runs\u00a0of      spaces\n\n\n\nand\r\nnewlines\t\t\ttabs",
-    "Café déjà vu, naïve façade, Ångström, Straße, ñandú",
-    "日本語のテキストと中文文本，한국어도 있습니다。",
-    "emoji 🎉🚀👩‍👩‍👧‍👦 and flags 🇫🇷 and ZWJ",
-    "<start_of_turn>user\nhello<end_of_turn>\n<start_of_turn>model\n",
-    "<bos>text with literal <eos> and <pad> tokens <unused12>",
-    "x" * 300,
-    "",
-    " ",
-    "\n",
-    "Ünïcödé ∑∫√∞ ≠ ≤ ≥ ‰ € £ ¥ © ® ™ — – … «» ‹› “” ‘’",
-    'JSON: {"key": [1, 2.5, null, true], "nested": {"a": "b"}}',
-]
-
-
-def assert_same_as_transformers(ours: Tokenizer, theirs: object, texts: list[str]) -> None:
-    for text in texts:
-        for special in (True, False):
-            expected = theirs(text, add_special_tokens=special).input_ids  # type: ignore[operator]
-            assert ours.encode(text, add_special_tokens=special) == expected, (text, special)
-        ids = ours.encode(text)
-        for skip in (False, True):
-            assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip), text  # type: ignore[attr-defined]
 
 
 # --- fast: the tiny model's tokenizer --------------------------------------------------------------------------------
