@@ -63,11 +63,27 @@ def test_top_p_keeps_only_the_nucleus() -> None:
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch() -> None:
-    alone = sample(LOGITS, [row(seed=42, temperature=1.5)])[0].token_id
-    batch = torch.cat([torch.randn(3, 5), LOGITS, torch.randn(2, 5)])
-    rows = [row(seed=i, temperature=1.0) for i in range(3)] + [row(seed=42, temperature=1.5)]
-    rows += [row(seed=9, temperature=0.7) for _ in range(2)]
-    assert sample(batch, rows)[3].token_id == alone
+    """Each row draws from its own generator: its tokens are the same alone, in a batch and in another order.
+
+    Over a few thousand random logits at temperature 1 two different draws almost never pick the same token, so rows
+    sharing one generator, or a batch that shifts a row's draw, change nearly every token after the first row's.
+    """
+    seeds, vocab, steps = [3, 17, 42, 1234, 99991], 4096, 4
+    logits = torch.randn(steps, len(seeds), vocab, generator=torch.Generator().manual_seed(0)) * 2  # (S, R, V)
+
+    def run(order: list[int]) -> dict[int, list[int]]:
+        """Each row's tokens over the steps, sampled as one batch of the rows in `order`."""
+        rows = {i: row(seed=seeds[i], temperature=1.0) for i in order}
+        tokens: dict[int, list[int]] = {i: [] for i in order}
+        for step in range(steps):
+            for i, result in zip(order, sample(logits[step, order], [rows[i] for i in order])):
+                tokens[i].append(result.token_id)
+        return tokens
+
+    alone = {i: run([i])[i] for i in range(len(seeds))}
+    assert len({tuple(t) for t in alone.values()}) == len(seeds)  # the seeds differ, and so do their draws
+    assert run(list(range(len(seeds)))) == alone
+    assert run(list(reversed(range(len(seeds))))) == alone
 
 
 def test_top_p_wider_than_the_candidate_shortlist_still_covers_the_nucleus() -> None:

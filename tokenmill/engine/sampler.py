@@ -4,6 +4,9 @@ One straight pipeline: logit_bias → presence/frequency penalties → temperatu
 argmax of the biased, penalised logits. Each sequence samples with its own torch.Generator, so its choice never depends
 on which other requests share the batch. Reported logprobs are the model's own (log-softmax of the raw logits), so they
 mean the same whatever the sampling settings.
+
+The greedy argmax is tokenmill.kernels' C pass (torch's argmax where it did not compile): the kernels are a leaf
+package that imports nothing of tokenmill, so the engine depends on them as it does on torch.
 """
 
 from __future__ import annotations
@@ -92,9 +95,9 @@ def adjusted(logits: torch.Tensor, rows: Seq[SampleInput]) -> Iterator[torch.Ten
         if bias_at:
             flat[torch.tensor(bias_at, dtype=torch.long)] += torch.tensor(bias, dtype=logits.dtype)
         if penalty_at:
-            as_logits = {"dtype": logits.dtype}
-            penalty = torch.tensor(counts, **as_logits) * torch.tensor(frequency, **as_logits)
-            flat[torch.tensor(penalty_at, dtype=torch.long)] -= penalty + torch.tensor(presence, **as_logits)
+            dtype = logits.dtype
+            penalty = torch.tensor(counts, dtype=dtype) * torch.tensor(frequency, dtype=dtype)
+            flat[torch.tensor(penalty_at, dtype=torch.long)] -= penalty + torch.tensor(presence, dtype=dtype)
         yield logits
     finally:
         flat[touched] = saved
