@@ -8,26 +8,33 @@ import logging
 import sys
 
 from tokenmill.bench.flags import add_bench_arguments
-from tokenmill.config import Config, add_config_arguments, config_from_args
+from tokenmill.config import ENV_HELP, Config, ConfigError, add_config_arguments, config_from_args
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tokenmill", description="OpenAI-compatible completions server")
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="start the HTTP server (default model: Gemma 3 270M)")
+    serve = commands.add_parser("serve", help="start the HTTP server (default model: Gemma 3 270M)", epilog=ENV_HELP)
     add_config_arguments(serve)
-    complete = commands.add_parser("complete", help="complete one prompt on the command line, no server")
+    complete = commands.add_parser(
+        "complete", help="complete one prompt on the command line, no server", epilog=ENV_HELP
+    )
     add_config_arguments(complete)
     complete.add_argument("prompt")
     complete.add_argument("--max-tokens", type=int, default=32)
     complete.add_argument("--temperature", type=float, default=0.0)
-    models = commands.add_parser("models", help="print the model the server would serve, and its settings")
+    models = commands.add_parser(
+        "models", help="print the model the server would serve, and its settings", epilog=ENV_HELP
+    )
     add_config_arguments(models)
     add_bench_arguments(commands.add_parser("bench", help="benchmark a server, or tokenmill against llama.cpp"))
     args = parser.parse_args(argv)
     if args.command == "bench":
         return run_bench(args)
-    config = config_from_args(args)
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        commands.choices[args.command].error(str(exc))  # usage and exit 2, as argparse does for a bad flag
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
         return serve_forever(config)

@@ -1,19 +1,33 @@
 """One typed, frozen config for the server and the engine.
 
 CLI flags (`--max-num-seqs`) and environment variables (`TOKENMILL_MAX_NUM_SEQS`) are generated from the fields below,
-so this file is the single place where a setting, its default and its meaning live.
+so this file is the single place where a setting, its default and its meaning live. A field's annotation gives the type
+both are parsed to: `int | None` parses as int, `tuple[str, ...]` is a repeatable flag and a comma-separated variable,
+`bool` is a `--x/--no-x` switch and a 1/0, true/false, yes/no or on/off variable.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import MISSING, dataclass, field, fields, replace
-from typing import Any
+from collections.abc import Callable
+from dataclasses import Field, dataclass, field, fields, replace
+from types import NoneType, UnionType
+from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 DEFAULT_MODEL_NAME = "gemma-3-270m"
 DTYPES = ("float32", "bfloat16")
 QUANTIZATIONS = ("none", "int8", "int4")
+ENV_HELP = (
+    "Every flag can also be set as TOKENMILL_<FLAG> (e.g. TOKENMILL_MAX_NUM_SEQS=8); a flag wins over the variable."
+)
+BOOL_WORDS = "1/0, true/false, yes/no or on/off"
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used, from a flag, a TOKENMILL_* variable or Config's own checks."""
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -45,7 +59,7 @@ class Config:
     # --- server ---
     host: str = _opt("127.0.0.1", "address to listen on")
     port: int = _opt(8000, "port to listen on")
-    api_key: tuple[str, ...] = _opt((), "accepted bearer key (repeatable); none: no auth", repeatable=True)
+    api_key: tuple[str, ...] = _opt((), "accepted bearer key (repeatable); none: no auth")
     log_level: str = _opt("info", "uvicorn and tokenmill log level")
     # --- limits: what one request may ask for, and how much may wait (see README "Robustness") ---
     max_waiting_requests: int = _opt(1024, "prompts admitted but not yet started; past it new requests get 429")
@@ -59,17 +73,17 @@ class Config:
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+            raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+            raise ConfigError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.weight_quantization != "none" and self.dtype != "bfloat16":
-            raise ValueError("weight-only quantisation runs with bfloat16 activations: add --dtype bfloat16")
+            raise ConfigError("weight-only quantisation runs with bfloat16 activations: add --dtype bfloat16")
         if self.block_size <= 0 or self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
-            raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be positive")
+            raise ConfigError("block_size, max_num_seqs and max_num_batched_tokens must be positive")
         if min(self.max_waiting_requests, self.max_waiting_tokens, self.max_request_bytes) <= 0:
-            raise ValueError("max_waiting_requests, max_waiting_tokens and max_request_bytes must be positive")
+            raise ConfigError("max_waiting_requests, max_waiting_tokens and max_request_bytes must be positive")
         if self.request_timeout_s < 0 or self.shutdown_grace_s < 0:
-            raise ValueError("request_timeout_s and shutdown_grace_s must not be negative")
+            raise ConfigError("request_timeout_s and shutdown_grace_s must not be negative")
 
     @property
     def weight_quantization(self) -> str:
@@ -82,54 +96,89 @@ class Config:
         return replace(self, **changes)
 
 
+def _parse_bool(text: str) -> bool:
+    word = text.strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected {BOOL_WORDS}, got {text!r}")
+
+
+# The one map from an annotation to a parser: flags and environment variables both go through it.
+_PARSERS: dict[Any, Callable[[str], Any]] = {int: int, float: float, str: str, bool: _parse_bool}
+
+
+def _value_type(annotation: Any) -> tuple[Any, bool]:
+    """The type of one value and whether the field holds many: `X | None` -> (X, False), `tuple[X, ...]` -> (X, True)."""
+    origin = get_origin(annotation)
+    if origin in (Union, UnionType):
+        (inner,) = [a for a in get_args(annotation) if a is not NoneType]
+        return _value_type(inner)
+    many = origin is tuple
+    kind = get_args(annotation)[0] if many else annotation
+    if kind not in _PARSERS:
+        raise TypeError(f"no parser for a setting of type {annotation!r}")
+    return kind, many
+
+
+def _settings(cls: type) -> list[tuple[Field[Any], Any, bool]]:
+    """Each field of the dataclass `cls` with its value type and whether it holds many (see `_value_type`)."""
+    hints = get_type_hints(cls)
+    return [(f, *_value_type(hints[f.name])) for f in fields(cls)]
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per Config field; unset flags stay None so env vars and defaults can fill them."""
-    for f in fields(Config):
-        meta = f.metadata
-        kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": meta.get("help", "")}
-        if meta.get("repeatable"):
-            kwargs["action"] = "append"
-        elif "choices" in meta:
-            kwargs["choices"] = meta["choices"]
+def _env_var(name: str) -> str:
+    return "TOKENMILL_" + name.upper()
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One flag per field of the dataclass `cls`; unset flags stay None so env vars and defaults can fill them."""
+    for f, kind, many in _settings(cls):
+        kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": f.metadata.get("help", "")}
+        if kind is bool and not many:
+            kwargs["action"] = argparse.BooleanOptionalAction
         else:
-            kwargs["type"] = _field_type(f.default)
+            kwargs.update(type=_PARSERS[kind], choices=f.metadata.get("choices"), action="append" if many else "store")
         parser.add_argument(_flag(f.name), **kwargs)
 
 
-def _field_type(default: Any) -> Any:
-    if isinstance(default, bool):
-        return lambda s: s.lower() in ("1", "true", "yes")
-    if isinstance(default, int):
-        return int
-    if isinstance(default, float):
-        return float
-    return str
+def settings_from_args(cls: type[T], args: argparse.Namespace) -> T:
+    """Build `cls` from CLI flag → TOKENMILL_* environment variable → field default; a bad variable raises ConfigError."""
+    values: dict[str, Any] = {}
+    for f, kind, many in _settings(cls):
+        cli = getattr(args, f.name, None)
+        raw = os.environ.get(_env_var(f.name), "")  # empty counts as unset: compose files and CI often export it so
+        if cli is not None:
+            values[f.name] = tuple(cli) if many else cli
+        elif raw and many:
+            values[f.name] = tuple(_parse_env(f, kind, item) for item in raw.split(",") if item)
+        elif raw:
+            values[f.name] = _parse_env(f, kind, raw)
+    return cls(**values)
 
 
-def _from_env(name: str, default: Any) -> Any:
-    raw = os.environ.get("TOKENMILL_" + name.upper())
-    if raw is None:
-        return MISSING
-    if isinstance(default, tuple):
-        return tuple(k for k in raw.split(",") if k)
-    if default is None and name in ("max_model_len", "num_kv_blocks", "threads"):
-        return int(raw)
-    return _field_type(default)(raw) if default is not None else raw
+def _parse_env(f: Field[Any], kind: Any, raw: str) -> Any:
+    var = _env_var(f.name)
+    try:
+        value = _PARSERS[kind](raw)
+    except ValueError:
+        accepted = f" (use {BOOL_WORDS})" if kind is bool else ""
+        raise ConfigError(f"{var}: invalid {kind.__name__} value: {raw!r}{accepted}") from None
+    choices = f.metadata.get("choices")
+    if choices is not None and value not in choices:
+        raise ConfigError(f"{var}: invalid choice: {raw!r} (choose from {', '.join(map(repr, choices))})")
+    return value
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    add_settings_arguments(parser, Config)
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
-    """CLI flag → TOKENMILL_* environment variable → field default."""
-    values: dict[str, Any] = {}
-    for f in fields(Config):
-        cli = getattr(args, f.name, None)
-        if cli is not None:
-            values[f.name] = tuple(cli) if isinstance(f.default, tuple) else cli
-            continue
-        env = _from_env(f.name, f.default)
-        if env is not MISSING:
-            values[f.name] = env
-    return Config(**values)
+    """CLI flag → TOKENMILL_* environment variable → field default; a bad value raises ConfigError."""
+    return settings_from_args(Config, args)
