@@ -12,8 +12,7 @@ from fastapi import FastAPI
 
 from tests.api.api_helpers import call_then_disconnect, parse_sse, post, run
 from tests.api.test_real_engine import MODEL, tiny_engine
-from tests.engine.test_core_faults import poison_hidden
-from tests.engine.tiny import ByteTokenizer, tiny_core
+from tests.engine.tiny import ByteTokenizer, poison_hidden, tiny_core
 from tokenmill.api.app import create_app
 from tokenmill.config import Config
 from tokenmill.engine.engine import AsyncEngine

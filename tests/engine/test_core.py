@@ -4,26 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from tests.engine.tiny import ByteTokenizer, tiny_core
+from tests.engine.tiny import TOK, choice_tokens, greedy, run_all, tiny_core
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.outputs import FinishReason, RequestOutput
 from tokenmill.engine.sampling import SamplingParams
-
-TOK = ByteTokenizer()
-
-
-def run_all(core: EngineCore, max_steps: int = 2000) -> dict[str, list[RequestOutput]]:
-    outputs: dict[str, list[RequestOutput]] = {}
-    for _ in range(max_steps):
-        for out in core.step():
-            outputs.setdefault(out.request_id, []).append(out)
-        if not core.has_work:
-            return outputs
-    raise AssertionError("engine did not finish")
-
-
-def choice_tokens(outs: list[RequestOutput], index: int = 0) -> list[int]:
-    return [t for o in outs for d in o.deltas if d.index == index for t in d.token_ids]
 
 
 def choice_text(outs: list[RequestOutput], index: int = 0) -> str:
@@ -36,10 +20,6 @@ def dense_greedy(core: EngineCore, prompt: list[int], steps: int) -> list[int]:
         logits = core.runner.model.forward_dense(torch.tensor(ids))
         ids.append(int(torch.argmax(logits[-1])))
     return ids[len(prompt) :]
-
-
-def greedy(max_tokens: int, **kw: object) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, logit_bias={TOK.eos_id: -100.0}, **kw)  # type: ignore[arg-type]
 
 
 def test_greedy_matches_dense_forward() -> None:

@@ -7,29 +7,11 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from tests.engine.test_core import TOK, choice_tokens, greedy, run_all
-from tests.engine.tiny import tiny_core
+from tests.engine.tiny import TOK, choice_tokens, greedy, poison_hidden, run_all, tiny_core
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.sampler import Sampled
 from tokenmill.engine.scheduler import Scheduled
 from tokenmill.engine.sequence import Sequence
-
-
-def poison_hidden(core: EngineCore, is_bad: Callable[[Sequence], bool]) -> None:
-    """Every forward pass writes NaN into the hidden states of the rows of sequences that `is_bad` picks."""
-    forward = core.runner.forward
-
-    def poisoned(batch: list[Scheduled]) -> torch.Tensor:
-        hidden = forward(batch)
-        row = 0
-        with torch.inference_mode():
-            for s in batch:
-                if is_bad(s.seq):
-                    hidden[row : row + s.num_tokens] = float("nan")
-                row += s.num_tokens
-        return hidden
-
-    core.runner.forward = poisoned  # type: ignore[method-assign]
 
 
 def two_requests(core: EngineCore, bad_params: dict[str, object] | None = None) -> None:
@@ -73,19 +55,47 @@ def test_a_detokenizer_error_fails_only_its_request() -> None:
 
 
 def test_a_sampler_error_on_one_row_fails_only_its_request(monkeypatch: pytest.MonkeyPatch) -> None:
-    import tokenmill.engine.core as core_module
+    from tokenmill.engine import sample_step
 
-    real_sample: Callable[..., list[Sampled]] = core_module.sample
+    real_sample: Callable[..., list[Sampled]] = sample_step.sample
 
     def fussy(logits: torch.Tensor, rows: list) -> list[Sampled]:  # type: ignore[type-arg]
         if any(r.params.top_p == 0.5 for r in rows):
             raise RuntimeError("injected sampler fault")
         return real_sample(logits, rows)
 
-    monkeypatch.setattr(core_module, "sample", fussy)
+    monkeypatch.setattr(sample_step, "sample", fussy)
     core = tiny_core()
     two_requests(core, {"top_p": 0.5})
     assert_only_bad_failed(core, "injected sampler fault")
+
+
+def test_a_request_the_core_cannot_take_fails_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    core = tiny_core()
+    admit = core.scheduler.add
+
+    def picky(seq: Sequence) -> None:
+        if seq.request_id == "bad":
+            raise ValueError("injected admission fault")
+        admit(seq)
+
+    monkeypatch.setattr(core.scheduler, "add", picky)
+    two_requests(core)
+    assert_only_bad_failed(core, "ValueError: injected admission fault")
+
+
+def test_fail_all_ends_every_request_with_the_error_and_frees_its_blocks() -> None:
+    core = tiny_core()
+    two_requests(core)
+    core.step()
+    assert core.blocks.num_used > 0
+    outs = core.fail_all("engine error: injected")
+    assert sorted((o.request_id, o.finished, o.error, o.deltas) for o in outs) == [
+        ("bad", True, "engine error: injected", []),
+        ("good", True, "engine error: injected", []),
+    ]
+    assert not core.has_work and core.step() == []
+    assert core.blocks.num_used == 0 and not core.scheduler.running and not core.scheduler.waiting
 
 
 def test_a_failed_forward_pass_fails_its_batch_and_the_engine_goes_on() -> None:

@@ -1,12 +1,22 @@
-"""A tiny random-weight Gemma 3 and a byte-level tokenizer: the engine's fast tests need no files at all."""
+"""A tiny random-weight Gemma 3 and a byte-level tokenizer: the engine's fast tests need no files at all.
+
+Also the helpers those tests share: running a core to the end, reading a choice's tokens, greedy parameters, and
+poisoning chosen sequences' hidden states.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from tokenmill.config import Config
+from tokenmill.engine.build import build_engine_core
 from tokenmill.engine.core import EngineCore
-from tokenmill.engine.engine import build_engine_core
+from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.sampling import SamplingParams
+from tokenmill.engine.scheduler import Scheduled
+from tokenmill.engine.sequence import Sequence
 from tokenmill.model.gemma3 import Gemma3ForCausalLM
 from tokenmill.model.model_config import ModelConfig
 
@@ -82,3 +92,41 @@ def tiny_core(**overrides: object) -> EngineCore:
         }
     )  # type: ignore[arg-type]
     return build_engine_core(tiny_model(), ByteTokenizer(), config)  # type: ignore[arg-type]
+
+
+TOK = ByteTokenizer()
+
+
+def run_all(core: EngineCore, max_steps: int = 2000) -> dict[str, list[RequestOutput]]:
+    outputs: dict[str, list[RequestOutput]] = {}
+    for _ in range(max_steps):
+        for out in core.step():
+            outputs.setdefault(out.request_id, []).append(out)
+        if not core.has_work:
+            return outputs
+    raise AssertionError("engine did not finish")
+
+
+def choice_tokens(outs: list[RequestOutput], index: int = 0) -> list[int]:
+    return [t for o in outs for d in o.deltas if d.index == index for t in d.token_ids]
+
+
+def greedy(max_tokens: int, **kw: object) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, logit_bias={TOK.eos_id: -100.0}, **kw)  # type: ignore[arg-type]
+
+
+def poison_hidden(core: EngineCore, is_bad: Callable[[Sequence], bool]) -> None:
+    """Every forward pass writes NaN into the hidden states of the rows of sequences that `is_bad` picks."""
+    forward = core.runner.forward
+
+    def poisoned(batch: list[Scheduled]) -> torch.Tensor:
+        hidden = forward(batch)
+        row = 0
+        with torch.inference_mode():
+            for s in batch:
+                if is_bad(s.seq):
+                    hidden[row : row + s.num_tokens] = float("nan")
+                row += s.num_tokens
+        return hidden
+
+    core.runner.forward = poisoned  # type: ignore[method-assign]

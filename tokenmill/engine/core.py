@@ -9,24 +9,23 @@ from __future__ import annotations
 
 import logging
 import math
-import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from tokenmill.engine.detok import IncrementalDetokenizer
 from tokenmill.engine.kv_cache import BlockManager
-from tokenmill.engine.outputs import FinishReason, RequestOutput, SequenceDelta, TokenLogprob
+from tokenmill.engine.outputs import FinishReason, RequestOutput, TokenLogprob
 from tokenmill.engine.prompt_logprobs import prompt_logprob_entries
+from tokenmill.engine.request import RequestState
 from tokenmill.engine.runner import ModelRunner
-from tokenmill.engine.sampler import Sampled, SampleInput, sample
+from tokenmill.engine.sample_step import gather_logits, non_finite_rows, sample_rows
+from tokenmill.engine.sampler import Sampled, SampleInput
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.engine.scheduler import Scheduled, Scheduler
 from tokenmill.engine.sequence import Sequence
 from tokenmill.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-_SEED_MIX = 0x9E3779B97F4A7C15
 
 
 @dataclass
@@ -40,15 +39,6 @@ class EngineStats:
     num_used_blocks: int = 0
     num_free_blocks: int = 0
     num_preemptions: int = 0
-
-
-@dataclass
-class RequestState:
-    prompt_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence] = field(default_factory=list)
-    reported: set[int] = field(default_factory=set)  # seq indices whose finish has been reported
-    sent_first: bool = False
 
 
 class EngineCore:
@@ -74,14 +64,17 @@ class EngineCore:
 
     # ---- requests in and out ----
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        state = RequestState(list(prompt_ids), params)
-        self.requests[request_id] = state
-        parent = self._new_sequence(request_id, 0, state)
-        state.seqs.append(parent)
-        if params.max_tokens == 0 and params.prompt_logprobs is None:
-            self._finish_without_output(parent)  # nothing to compute: answered on the next step
-            return
-        self.scheduler.add(parent)
+        """Queues a request. One the core cannot take fails alone: its error output comes with the next step."""
+        state = self.requests[request_id] = RequestState(request_id, list(prompt_ids), params)
+        try:
+            parent = state.add_sequence(0, self.tokenizer)
+            if params.max_tokens == 0 and params.prompt_logprobs is None:
+                self._finish_without_output(parent)  # nothing to compute: answered on the next step
+            else:
+                self.scheduler.add(parent)
+        except Exception as exc:
+            log.exception("adding request %s failed", request_id)
+            self.fail(request_id, _describe(exc))
 
     def abort(self, request_id: str) -> None:
         state = self.requests.pop(request_id, None)
@@ -96,7 +89,15 @@ class EngineCore:
             return
         log.error("request %s failed: %s", request_id, message)
         self.abort(request_id)
-        self._failed.append(RequestOutput(request_id, [], state.prompt_ids, finished=True, error=message))
+        self._failed.append(state.error_output(message))
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """End every request with an error (a step failed as a whole); returns their error outputs."""
+        outputs = []
+        for request_id, state in list(self.requests.items()):
+            self.abort(request_id)
+            outputs.append(state.error_output(message))
+        return outputs
 
     @property
     def has_work(self) -> bool:
@@ -157,14 +158,14 @@ class EngineCore:
         to_sample = [(r, seq) for r, seq in to_sample if not seq.is_finished]
         if not to_sample:
             return
-        rows = sorted({r for r, _ in to_sample})
-        logits = self.runner.logits(hidden[rows])  # (R, V)
-        if [r for r, _ in to_sample] != rows:  # forked choices share their parent's row: (N, V), a copy
-            where = {r: i for i, r in enumerate(rows)}
-            logits = logits[[where[r] for r, _ in to_sample]]
-        to_sample, logits = self._drop_non_finite(to_sample, logits)
+        logits = gather_logits(self.runner, hidden, [r for r, _ in to_sample])  # (N, V)
+        for i in non_finite_rows(logits):  # fails its request alone; the rest of the batch samples as usual
+            self.fail(to_sample[i][1].request_id, "the model produced non-finite logits for this request")
+        keep = [i for i, (_, seq) in enumerate(to_sample) if not seq.is_finished]
+        if len(keep) < len(to_sample):
+            to_sample, logits = [to_sample[i] for i in keep], logits[keep]
         inputs = [SampleInput(seq.params, seq.generator, seq.output_counts) for _, seq in to_sample]
-        for (_, seq), result in zip(to_sample, self._sample_rows(logits, inputs)):
+        for (_, seq), result in zip(to_sample, sample_rows(logits, inputs)):
             if seq.is_finished:
                 continue  # another choice of its request failed
             try:
@@ -174,33 +175,6 @@ class EngineCore:
             except Exception as exc:
                 log.exception("sampling or detokenising %s failed", seq.request_id)
                 self.fail(seq.request_id, _describe(exc))
-
-    def _drop_non_finite(
-        self, to_sample: list[tuple[int, Sequence]], logits: torch.Tensor
-    ) -> tuple[list[tuple[int, Sequence]], torch.Tensor]:
-        """A NaN/inf logits row fails its request alone; the rest of the batch samples as usual."""
-        finite = torch.isfinite(logits.sum(dim=-1)).tolist()  # (N,): one pass; a NaN or inf anywhere spoils the sum
-        for (_, seq), ok in zip(to_sample, finite):
-            if not ok:
-                self.fail(seq.request_id, "the model produced non-finite logits for this request")
-        keep = [i for i, (_, seq) in enumerate(to_sample) if not seq.is_finished]
-        if len(keep) == len(to_sample):
-            return to_sample, logits
-        return [to_sample[i] for i in keep], logits[keep]
-
-    def _sample_rows(self, logits: torch.Tensor, inputs: list[SampleInput]) -> list[Sampled | Exception]:
-        """The batch at once; if that fails, row by row, so only the row at fault fails."""
-        try:
-            return list(sample(logits, inputs))
-        except Exception:
-            log.exception("batched sampling failed; sampling row by row")
-        results: list[Sampled | Exception] = []
-        for i, row in enumerate(inputs):
-            try:
-                results.extend(sample(logits[i : i + 1], [row]))
-            except Exception as exc:  # noqa: BLE001 - handed to the caller, which fails that row's request
-                results.append(exc)
-        return results
 
     def _append(self, seq: Sequence, result: Sampled) -> None:
         entry = None
@@ -231,9 +205,7 @@ class EngineCore:
         state = self.requests[parent.request_id]
         self._finish(parent, FinishReason.LENGTH)
         for j in range(1, parent.params.n):
-            child = self._new_sequence(parent.request_id, j, state)
-            child.finish(FinishReason.LENGTH)
-            state.seqs.append(child)
+            state.add_sequence(j, self.tokenizer).finish(FinishReason.LENGTH)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Children share the parent's prefilled prompt blocks; the partial last block is copied."""
@@ -241,10 +213,9 @@ class EngineCore:
         parent.forked = True
         children = []
         for j in range(1, parent.params.n):
-            child = self._new_sequence(parent.request_id, j, state)
+            child = state.add_sequence(j, self.tokenizer)
             child.forked = True
             child.num_cached_tokens = parent.num_cached_tokens
-            state.seqs.append(child)
             if self.blocks.num_free == 0:  # no room for a private copy now: recompute later via the prefix cache
                 self.scheduler.add(child)
                 continue
@@ -282,45 +253,15 @@ class EngineCore:
     def _collect_outputs(self) -> list[RequestOutput]:
         outputs = []
         for request_id, state in list(self.requests.items()):
-            deltas = [d for seq in state.seqs if (d := self._delta(state, seq)) is not None]
-            if not deltas:
+            out = state.take_output()
+            if out is None:
                 continue
-            finished = all(s.is_finished for s in state.seqs)
-            parent = state.seqs[0]
-            out = RequestOutput(request_id, deltas, state.prompt_ids, parent.num_cached_tokens, finished=finished)
-            if not state.sent_first:
-                out.prompt_logprobs = parent.prompt_logprobs
-                state.sent_first = True
             outputs.append(out)
-            if finished:
+            if out.finished:
                 del self.requests[request_id]
         return outputs
 
-    def _delta(self, state: RequestState, seq: Sequence) -> SequenceDelta | None:
-        if seq.index in state.reported or not (seq.pending_ids or seq.pending_text or seq.is_finished):
-            return None
-        delta = SequenceDelta(
-            index=seq.index,
-            text=seq.pending_text,
-            token_ids=seq.pending_ids,
-            logprobs=seq.pending_logprobs if seq.params.logprobs is not None else None,
-            finish_reason=seq.finish_reason,
-            cumulative_logprob=seq.cumulative_logprob,
-            num_tokens=seq.num_output_tokens,
-        )
-        seq.pending_text, seq.pending_ids, seq.pending_logprobs = "", [], []
-        if seq.is_finished:
-            state.reported.add(seq.index)
-        return delta
-
     # ---- helpers ----
-    def _new_sequence(self, request_id: str, index: int, state: RequestState) -> Sequence:
-        params = state.params
-        seed = params.seed if params.seed is not None else random.getrandbits(63)
-        generator = torch.Generator().manual_seed((seed * _SEED_MIX + index) % (1 << 63))
-        detok = IncrementalDetokenizer(self.tokenizer, state.prompt_ids)
-        return Sequence(request_id, index, state.prompt_ids, params, detok, generator)
-
     def token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)
         if text is None:

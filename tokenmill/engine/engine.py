@@ -9,32 +9,23 @@ every waiting caller gets a final error output instead of waiting forever, and `
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from torch import nn
-
-from tokenmill import __version__
 from tokenmill.config import Config
-from tokenmill.engine.core import EngineCore, EngineStats, RequestState
-from tokenmill.engine.kv_cache import BlockManager, kv_bytes_per_token
+from tokenmill.engine.build import load_engine_core
+from tokenmill.engine.core import EngineCore, EngineStats
 from tokenmill.engine.outputs import RequestOutput
-from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.sampling import SamplingParams
-from tokenmill.engine.scheduler import Scheduler
-from tokenmill.model.loading.memory import release_freed_memory
-from tokenmill.model.model_config import ModelConfig
 from tokenmill.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 _Add = tuple[str, list[int], SamplingParams]
 T = TypeVar("T")
-DEFAULT_MAX_MODEL_LEN = 8192
 ENGINE_STOPPED = "the engine is not running"
 
 
@@ -67,31 +58,11 @@ class AsyncEngine:
         """Loads (or converts and caches) the model named by the config and builds the engine around it.
 
         The loading runs on the engine's own thread, the one that will run every step: torch work from a second thread
-        gets OpenMP thread teams of its own, and two teams on two cores halved decode speed (62 → 34 tok/s).
+        gets OpenMP thread teams of its own, and two teams contending for the same cores slow every decode step down.
         """
         executor = _engine_thread()
-        core, name, fingerprint = executor.submit(cls._load, config).result()
-        return cls(core, name, fingerprint, executor)
-
-    @staticmethod
-    def _load(config: Config) -> tuple[EngineCore, str, str]:
-        import torch
-
-        from tokenmill.model.loading.loader import load_model_files, save_prepared
-        from tokenmill.model.registry import build_model
-
-        if config.threads:
-            torch.set_num_threads(config.threads)
-        dtype, quantization = getattr(torch, config.dtype), config.weight_quantization
-        loaded = load_model_files(config.model, config.cache_dir, dtype, quantization)
-        model = build_model(loaded.config, loaded.state_dict, prepared=loaded.prepared)
-        loaded.state_dict = {}  # the model holds what it uses; the rest (a replaced bf16 table) can go
-        core = build_engine_core(model, loaded.tokenizer, config)
-        if not loaded.prepared and loaded.cache_entry is not None and quantization != "none":
-            save_prepared(model.state_dict(), loaded.cache_entry, dtype, quantization)
-        release_freed_memory()
-        name = config.served_model_name or loaded.name
-        return core, name, system_fingerprint(loaded.source_id, config)
+        loaded = executor.submit(load_engine_core, config).result()
+        return cls(loaded.core, loaded.model_name, loaded.system_fingerprint, executor)
 
     def run_in_engine_thread(self, fn: Callable[[], T]) -> T:
         """Run fn on the engine's thread and wait (in-process tools; never while the step loop is running)."""
@@ -182,9 +153,9 @@ class AsyncEngine:
                 queue.put_nowait(RequestOutput(request_id, [], [], finished=True, error=ENGINE_STOPPED))
             return
         for out in outputs:
-            queue = self._queues.get(out.request_id)
-            if queue is not None:
-                queue.put_nowait(out)
+            waiting = self._queues.get(out.request_id)
+            if waiting is not None:
+                waiting.put_nowait(out)
 
     def _has_pending(self) -> bool:
         with self._lock:
@@ -198,49 +169,10 @@ class AsyncEngine:
                 self.core.abort(request_id)
             for request_id, ids, params in adds:
                 if request_id not in aborts:
-                    self._add(request_id, ids, params)
+                    self.core.add_request(request_id, ids, params)
         try:
             return self.core.step()
         except Exception as exc:  # one bad step fails the requests in flight, not the server
             log.exception("engine step failed")
-            return self._fail_all(f"engine error: {type(exc).__name__}: {exc}")
-
-    def _add(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
-        try:
-            self.core.add_request(request_id, ids, params)
-        except Exception as exc:  # a request the core cannot take fails alone
-            log.exception("adding request %s failed", request_id)
-            self.core.requests.setdefault(request_id, RequestState(ids, params))
-            self.core.fail(request_id, f"{type(exc).__name__}: {exc}")
-
-    def _fail_all(self, message: str) -> list[RequestOutput]:
-        outputs = []
-        with self._lock:
-            for request_id, state in list(self.core.requests.items()):
-                self.core.abort(request_id)
-                outputs.append(RequestOutput(request_id, [], state.prompt_ids, finished=True, error=message))
-        return outputs
-
-
-def system_fingerprint(source_id: str, config: Config) -> str:
-    """Changes when, and only when, something that can change outputs changes: weights, dtype, quantisation, version."""
-    key = f"{source_id}|{config.dtype}|{config.weight_quantization}|{__version__}"
-    return "fp_" + hashlib.sha256(key.encode()).hexdigest()[:12]
-
-
-def build_engine_core(model: nn.Module, tokenizer: Tokenizer, config: Config) -> EngineCore:
-    """Sizes the KV cache from the config and wires the core's parts together (the model's linears are swapped)."""
-    from tokenmill.model.linear import prepare_linears
-
-    prepare_linears(model, config.weight_quantization)
-    cfg: ModelConfig = model.config
-    dtype = next(model.parameters()).dtype
-    block_bytes = kv_bytes_per_token(cfg, dtype) * config.block_size
-    num_blocks = config.num_kv_blocks or max((config.kv_cache_mb << 20) // block_bytes, 1)
-    capacity = num_blocks * config.block_size
-    model_len = cfg.max_position_embeddings
-    max_model_len = min(config.max_model_len or min(model_len, DEFAULT_MAX_MODEL_LEN), model_len, capacity)
-    blocks = BlockManager(num_blocks, config.block_size)
-    scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens)
-    runner = ModelRunner(model, cfg, num_blocks, config.block_size)
-    return EngineCore(runner, tokenizer, blocks, scheduler, set(tokenizer.eos_ids), max_model_len)
+            with self._lock:
+                return self.core.fail_all(f"engine error: {type(exc).__name__}: {exc}")

@@ -1,0 +1,74 @@
+"""From a Config to a ready EngineCore: load (or convert and cache) the model, size the KV cache, wire the parts.
+
+The async front (engine.py) only decides where this runs (on the engine's own thread); what is built is decided here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tokenmill import __version__
+from tokenmill.config import Config
+from tokenmill.engine.core import EngineCore
+from tokenmill.engine.kv_cache import BlockManager, kv_bytes_per_token
+from tokenmill.engine.runner import ModelRunner
+from tokenmill.engine.scheduler import Scheduler
+from tokenmill.model.loading.memory import release_freed_memory
+from tokenmill.model.model_config import ModelConfig
+from tokenmill.tokenizer import Tokenizer
+
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+@dataclass(frozen=True)
+class LoadedEngine:
+    core: EngineCore
+    model_name: str  # what the API reports as `model`
+    system_fingerprint: str
+
+
+def load_engine_core(config: Config) -> LoadedEngine:
+    """Loads the model the config names, prepares its linears, and caches the prepared weights for the next start."""
+    from tokenmill.model.loading.loader import load_model_files, save_prepared
+    from tokenmill.model.registry import build_model
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    dtype, quantization = getattr(torch, config.dtype), config.weight_quantization
+    loaded = load_model_files(config.model, config.cache_dir, dtype, quantization)
+    model = build_model(loaded.config, loaded.state_dict, prepared=loaded.prepared)
+    loaded.state_dict = {}  # the model holds what it uses; the rest (a replaced bf16 table) can go
+    core = build_engine_core(model, loaded.tokenizer, config)
+    if not loaded.prepared and loaded.cache_entry is not None and quantization != "none":
+        save_prepared(model.state_dict(), loaded.cache_entry, dtype, quantization)
+    release_freed_memory()
+    name = config.served_model_name or loaded.name
+    return LoadedEngine(core, name, system_fingerprint(loaded.source_id, config))
+
+
+def system_fingerprint(source_id: str, config: Config) -> str:
+    """Changes when, and only when, something that can change outputs changes: weights, dtype, quantisation, version."""
+    key = f"{source_id}|{config.dtype}|{config.weight_quantization}|{__version__}"
+    return "fp_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def build_engine_core(model: nn.Module, tokenizer: Tokenizer, config: Config) -> EngineCore:
+    """Sizes the KV cache from the config and wires the core's parts together (the model's linears are swapped)."""
+    from tokenmill.model.linear import prepare_linears
+
+    prepare_linears(model, config.weight_quantization)
+    cfg: ModelConfig = model.config
+    dtype = next(model.parameters()).dtype
+    block_bytes = kv_bytes_per_token(cfg, dtype) * config.block_size
+    num_blocks = config.num_kv_blocks or max((config.kv_cache_mb << 20) // block_bytes, 1)
+    capacity = num_blocks * config.block_size
+    model_len = cfg.max_position_embeddings
+    max_model_len = min(config.max_model_len or min(model_len, DEFAULT_MAX_MODEL_LEN), model_len, capacity)
+    blocks = BlockManager(num_blocks, config.block_size)
+    scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens)
+    runner = ModelRunner(model, cfg, num_blocks, config.block_size)
+    return EngineCore(runner, tokenizer, blocks, scheduler, set(tokenizer.eos_ids), max_model_len)
