@@ -9,7 +9,6 @@ import hashlib
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from tokenmill import __version__
 from tokenmill.config import Config
@@ -17,8 +16,8 @@ from tokenmill.engine.core import EngineCore
 from tokenmill.engine.kv_cache import BlockManager, kv_bytes_per_token
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.scheduler import Scheduler
+from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.loading.memory import release_freed_memory
-from tokenmill.model.model_config import ModelConfig
 from tokenmill.tokenizer import Tokenizer
 
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -56,12 +55,12 @@ def system_fingerprint(source_id: str, config: Config) -> str:
     return "fp_" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
-def build_engine_core(model: nn.Module, tokenizer: Tokenizer, config: Config) -> EngineCore:
+def build_engine_core(model: CausalLM, tokenizer: Tokenizer, config: Config) -> EngineCore:
     """Sizes the KV cache from the config and wires the core's parts together (the model's linears are swapped)."""
     from tokenmill.model.linear import prepare_linears
 
     prepare_linears(model, config.weight_quantization)
-    cfg: ModelConfig = model.config
+    cfg = model.config
     dtype = next(model.parameters()).dtype
     block_bytes = kv_bytes_per_token(cfg, dtype) * config.block_size
     num_blocks = config.num_kv_blocks or max((config.kv_cache_mb << 20) // block_bytes, 1)

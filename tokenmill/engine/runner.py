@@ -5,16 +5,16 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 import torch
-from torch import nn
 
 from tokenmill.engine.kv_cache import allocate_kv_tensors
 from tokenmill.engine.scheduler import Scheduled
 from tokenmill.model.attention import AttentionMetadata
+from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.model_config import ModelConfig
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model: CausalLM, cfg: ModelConfig, num_blocks: int, block_size: int) -> None:
         self.model = model
         self.cfg = cfg
         self.block_size = block_size
