@@ -1,6 +1,6 @@
 """GGUF file → ModelConfig + float32 state dict with Hugging Face names and value conventions + tokenizer.
 
-The file is indexed once with gguf_file.py (a fast reader; `gguf.GGUFReader` takes ~8 s on a 262k vocabulary) and
+The file is indexed once with gguf_file.py (a fast reader; `gguf.GGUFReader` is slow on a large vocabulary) and
 every tensor is dequantised with `gguf.quants.dequantize`. Two llama.cpp conventions are undone so the weights equal a Hugging Face checkpoint's:
 - Gemma RMSNorm weights are stored as w + 1 (llama.cpp multiplies by them directly); HF computes x·(1 + w).
 - llama.cpp's converter permutes Llama q/k rows for its rotary layout; HF rotates halves.

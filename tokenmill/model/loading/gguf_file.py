@@ -1,9 +1,10 @@
 """A fast reader for a GGUF file's metadata and tensor index; the tensor data stays in a memory map.
 
-`gguf.GGUFReader` builds a numpy view per array element, so the 262,144-entry vocabulary of the default model costs
-it ~8 s; this reader decodes the same values in well under a second. It returns what the converter needs — metadata
-as plain Python values (what `ReaderField.contents()` gives) and each tensor's name, ggml type, shape and raw data
-(shaped as `ReaderTensor.data` is) — and the tests hold it equal to `gguf.GGUFReader` on every file they use.
+`gguf.GGUFReader` builds a numpy view per array element, so a large vocabulary (the default model's has 262,144
+entries) costs it most of a start; this reader walks the bytes once, reading numeric arrays with one `np.frombuffer`
+each. It returns what the converter needs — metadata as plain Python values (what `ReaderField.contents()` gives) and
+each tensor's name, ggml type, shape and raw data (shaped as `ReaderTensor.data` is) — and the tests hold it equal to
+`gguf.GGUFReader` on every file they use.
 Quantisation formats and sizes still come from the `gguf` package.
 """
 

@@ -2,7 +2,8 @@
 
 `load_model_files(None, ...)` loads the packaged Gemma 3 270M GGUF. A GGUF file is converted once (parse, dequantise to
 float32, Hugging Face names and conventions; see gguf_convert.py) and the result is cached as safetensors + tokenizer.json
-+ config json under `<cache root>/gguf-<sha256 of the file>-v<CACHE_VERSION>/`, so later starts skip the ~10 s parse.
++ config json under `<cache root>/gguf-<sha256 of the file>-v<CACHE_VERSION>/`, so later starts skip the parse and
+dequantisation.
 The cache keeps float32: the dequantised values are exact in float32 and not in bfloat16, and the compute dtype is applied
 after loading. A Hugging Face directory is already safetensors and is read directly.
 
@@ -124,7 +125,7 @@ def load_gguf(
         if prepared is not None and prepared.is_file():
             config = config_from_json(json.loads((entry / CONFIG_FILE).read_text()))
             tokenizer = Tokenizer.load(entry)
-            release_freed_memory()  # the tokenizer's JSON parse leaves ~190 MB of freed heap: return it before the weights
+            release_freed_memory()  # the tokenizer's JSON parse leaves much freed heap: return it before the weights
             return LoadedWeights(config, _load_aligned(prepared), tokenizer, source_id, name, entry, True)
         return _read_entry(entry, dtype, source_id, name)
     from tokenmill.model.loading.gguf_convert import read_gguf  # gguf is only needed on a cache miss
