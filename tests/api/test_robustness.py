@@ -10,8 +10,8 @@ from typing import Any, TypeVar
 import httpx
 from fastapi import FastAPI
 
-from tests.api.api_helpers import call_then_disconnect, parse_sse, post, run
-from tests.api.test_real_engine import MODEL, tiny_engine
+from tests.api.api_helpers import TINY_MODEL as MODEL
+from tests.api.api_helpers import call_then_disconnect, parse_sse, post, run, tiny_engine
 from tests.engine.tiny import ByteTokenizer, poison_hidden, tiny_core
 from tokenmill.api.app import create_app
 from tokenmill.config import Config
