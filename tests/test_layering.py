@@ -42,6 +42,8 @@ def imported_modules(path: Path) -> set[str]:
             names.add(node.module)
             if node.module == "tokenmill":  # `from tokenmill import kernels` names a part; `__version__` does not
                 names.update(f"tokenmill.{alias.name}" for alias in node.names if is_part(alias.name))
+            if node.module.startswith("tests"):  # `from tests.e2e import conftest` names a module
+                names.update(f"{node.module}.{alias.name}" for alias in node.names)
     return names
 
 
@@ -79,3 +81,19 @@ def test_the_rules_catch_a_wrong_way_import(tmp_path: Path) -> None:
     module.write_text("from tokenmill import __version__, engine\ndef f():\n    from tokenmill.api.app import app\n")
     assert {tokenmill_part(m) for m in imported_modules(module)} == {"", "engine", "api"}
     assert "api" not in ALLOWED["engine"] and "engine" not in ALLOWED["model"] and not ALLOWED["kernels"]
+
+
+TESTS = Path(__file__).resolve().parent
+TEST_FILES = sorted(TESTS.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", TEST_FILES, ids=lambda p: str(p.relative_to(TESTS)))
+def test_tests_share_helpers_not_test_modules(path: Path) -> None:
+    """Shared code lives in helper modules (tiny_model.py, api/api_helpers.py, e2e/server.py, ...): importing a test
+    module or a conftest runs its collection-time code twice and couples unrelated tests."""
+    wrong = {
+        module
+        for module in imported_modules(path)
+        if module.startswith("tests.") and module.rsplit(".", 1)[-1].startswith(("test_", "conftest"))
+    }
+    assert not wrong, f"{path.relative_to(TESTS)} imports {sorted(wrong)}"
