@@ -48,6 +48,7 @@ def create_app(engine: Engine, config: Config) -> FastAPI:
     app.state.admission = Admission.from_config(config)
     app.state.limits = RequestLimits.from_config(config)
     app.include_router(router)
+    # Starlette types every handler as taking any Exception; it calls each only with the class it is registered for
     app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]

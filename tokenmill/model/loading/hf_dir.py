@@ -98,12 +98,13 @@ def _rope_params(raw: dict[str, Any], layer_type: str | None) -> dict[str, Any]:
 
 
 def _linear_factor(scaling: dict[str, Any] | None) -> float:
-    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    scaling = scaling or {}
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
     if kind == "default":
         return 1.0
     if kind != "linear":
         raise UnsupportedModelError(f"rope scaling {kind!r} is not supported (only linear)")
-    return float(scaling["factor"])  # type: ignore[index]
+    return float(scaling["factor"])
 
 
 def read_hf_state_dict(path: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
