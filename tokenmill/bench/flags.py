@@ -50,6 +50,11 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         "--level-timeout", type=float, default=300.0, help="seconds after which a level starts no request"
     )
     load.add_argument("--request-timeout", type=float, default=300.0, help="seconds one request may take")
+    load.add_argument(
+        "--no-bandwidth",
+        action="store_true",
+        help="skip measuring memory read bandwidth (each round; sets the single-stream limit for a GGUF's bytes)",
+    )
     load.add_argument("--api-key", help="bearer key for a server started with --api-key")
     load.add_argument("--server-pid", type=int, help="with --url: sample this process's RSS for the peak RSS figure")
     servers = p.add_argument_group("servers the bench starts")

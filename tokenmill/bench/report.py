@@ -17,7 +17,11 @@ HF_NOTE = (
 
 def rows(concurrency: Sequence[int]) -> list[tuple[str, str, str]]:
     """(figure key, label, unit) in the order the table prints them."""
-    table = [("decode_tok_s", "single-stream decode", "tok/s"), ("ttft_s", "single-stream TTFT", "ms")]
+    table = [
+        ("decode_tok_s", "single-stream decode", "tok/s"),
+        ("bandwidth_share", "single-stream: share of bandwidth limit", "%"),
+        ("ttft_s", "single-stream TTFT", "ms"),
+    ]
     for c in concurrency:
         clients = f"{c} client" + ("s" if c != 1 else "")
         table += [
@@ -51,11 +55,22 @@ def ratios(systems: dict[str, Figures]) -> dict[str, Figures]:
     return out
 
 
+def bandwidth_line(meta: dict[str, Any]) -> str:
+    """What the bandwidth limit is made of: the measured read speed and the file's weight bytes."""
+    return (
+        f"memory read {meta['memory_read_gb_s']:.1f} GB/s (a float32 sum over 1 GiB on every core, best of 5, median "
+        f"over rounds); weights in the file {meta['weight_bytes'] / 1e6:.0f} MB: single-stream limit "
+        f"{meta['bandwidth_limit_tok_s']:.1f} tok/s, each weight read once per token"
+    )
+
+
 def format_value(value: float | None, unit: str) -> str:
     if value is None:
         return "–"
     if unit == "ms":
         return f"{value * 1000:.0f}"
+    if unit == "%":
+        return f"{value * 100:.0f}%"
     if unit == "s":
         return f"{value:.2f}"
     return f"{value:.1f}" if value < 1000 else f"{value:.0f}"

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from tokenmill.bench import hf_baseline, report
+from tokenmill.bench import bandwidth, hf_baseline, report
 from tokenmill.bench.llama_server import ensure_llama_server, llama_server_spec
 from tokenmill.bench.load import LoadSettings, bench_url, discover, make_client
 from tokenmill.bench.loopback import NotLoopbackError, require_loopback
@@ -54,6 +54,8 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"tokenmill bench: {exc}", file=sys.stderr)
         return 2
     print()
+    if "memory_read_gb_s" in results["meta"]:
+        print(report.bandwidth_line(results["meta"]))
     print(report.format_table(results["figures"], results["meta"]["table_concurrency"]))
     for line in report.notes_for(results["figures"]):
         print(line)
@@ -83,12 +85,13 @@ def bench_external(args: argparse.Namespace) -> dict[str, Any]:
     systems: dict[str, dict[str, Any]] = {"server": {"passes": []}}
     sampler = RssSampler(args.server_pid).start() if args.server_pid else None
     try:
-        _interleave(args, [("server", args.url)], systems, settings, args.rounds or 1, args.model, args.cache_dir)
+        targets, weights = [("server", args.url)], _weights_file(args)
+        read_gb_s = _interleave(args, targets, systems, settings, args.rounds or 1, args.model, args.cache_dir, weights)
     finally:
         if sampler is not None:
             sampler.stop()
             systems["server"]["peak_rss_mb"] = sampler.peak_bytes / 2**20
-    return _results(args, settings, systems, model=args.model)
+    return _results(args, settings, systems, args.model, weights, read_gb_s)
 
 
 def bench_managed(args: argparse.Namespace) -> dict[str, Any]:
@@ -110,16 +113,25 @@ def bench_managed(args: argparse.Namespace) -> dict[str, Any]:
         try:
             settings = _start_all(servers, systems, settings, args.start_timeout)
             targets = [(server.spec.name, server.url) for server in servers]
-            _interleave(args, targets, systems, settings, rounds, model_file, cache_dir)
+            weights = model_file or _weights_file(args)
+            read_gb_s = _interleave(args, targets, systems, settings, rounds, model_file, cache_dir, weights)
         finally:
             for server in servers:
                 server.stop()
                 systems[server.spec.name]["peak_rss_mb"] = server.peak_rss_mb
-    return _results(args, settings, systems, model=model_file)
+    return _results(args, settings, systems, model_file, weights, read_gb_s)
 
 
 def _tokenmill_extra(args: argparse.Namespace) -> list[str]:
     return [*(["--dtype", args.dtype] if args.dtype else []), *shlex.split(args.tokenmill_args)]
+
+
+def _weights_file(args: argparse.Namespace) -> str | None:
+    """The GGUF file whose bytes set the bandwidth limit: --model, else (tokenmill started with no --model) the
+    packaged one; None for a server at --url with no --model, whose file the bench cannot know."""
+    if args.model:
+        return str(args.model)
+    return None if args.url else _packaged_gguf()
 
 
 def _packaged_gguf() -> str:
@@ -174,9 +186,16 @@ def _interleave(
     rounds: int,
     model_file: str | None,
     cache_dir: str | None,
-) -> None:
-    """Round after round, each system in turn while the others stay idle: A B (C ...) A B (C ...)."""
+    weights_file: str | None,
+) -> list[float]:
+    """Round after round, each system in turn while the others stay idle: A B (C ...) A B (C ...). Each round starts
+    by measuring the memory read bandwidth, when there is a GGUF file's bytes to set a limit with (and no
+    --no-bandwidth); returns those GB/s figures."""
+    read_gb_s = []
     for r in range(rounds):
+        if not args.no_bandwidth and weights_file is not None and weights_file.endswith(".gguf"):
+            _progress(f"round {r + 1}/{rounds}: memory read bandwidth")
+            read_gb_s.append(bandwidth.measure_read_gb_s())
         for name, url in targets:
             systems[name]["passes"].append(_one_pass(name, url, settings, r, rounds))
         for dtype in args.hf_dtype if args.transformers else ():
@@ -189,6 +208,7 @@ def _interleave(
                 _progress(f"transformers {dtype} left out: {exc}")
                 continue
             systems.setdefault(HF_NAMES[dtype], {"passes": []})["passes"].append(figures)
+    return read_gb_s
 
 
 def _one_pass(name: str, url: str, settings: LoadSettings, r: int, rounds: int) -> dict[str, Any]:
@@ -200,9 +220,15 @@ def _one_pass(name: str, url: str, settings: LoadSettings, r: int, rounds: int) 
 
 
 def _results(
-    args: argparse.Namespace, settings: LoadSettings, systems: dict[str, dict[str, Any]], model: str | None
+    args: argparse.Namespace,
+    settings: LoadSettings,
+    systems: dict[str, dict[str, Any]],
+    model: str | None,
+    weights_file: str | None,
+    read_gb_s: list[float],
 ) -> dict[str, Any]:
     figures = {name: system_figures(system) for name, system in systems.items()}
+    machine = _bandwidth_limit(figures, weights_file, read_gb_s)
     concurrency = sorted(set(settings.concurrency) | ({args.hf_batch} if args.transformers else set()))
     meta = {
         "command": _command_line(),
@@ -211,6 +237,7 @@ def _results(
         "model_file": model,
         "settings": {**dataclasses.asdict(settings), "api_key": None},  # never write a key to the file
         "table_concurrency": concurrency,
+        **machine,
     }
     return {
         "meta": meta,
@@ -219,6 +246,22 @@ def _results(
         "systems": systems,
         "notes": notes(systems),
     }
+
+
+def _bandwidth_limit(
+    figures: dict[str, Figures], weights_file: str | None, read_gb_s: list[float]
+) -> dict[str, float | int]:
+    """The measured bandwidth and the file's weight bytes (for meta), and each system's single-stream share of the
+    limit they set, added to its figures."""
+    if not read_gb_s or weights_file is None:
+        return {}
+    gb_s = median_of_rounds([{"v": v} for v in read_gb_s])["v"] or 0.0
+    weight_bytes = bandwidth.gguf_weight_bytes(weights_file)
+    limit = bandwidth.limit_tok_s(gb_s, weight_bytes)
+    for system in figures.values():
+        decode = system.get("decode_tok_s")
+        system["bandwidth_share"] = decode / limit if decode is not None else None
+    return {"memory_read_gb_s": gb_s, "weight_bytes": weight_bytes, "bandwidth_limit_tok_s": limit}
 
 
 def _command_line() -> str:

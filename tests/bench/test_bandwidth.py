@@ -1,0 +1,81 @@
+"""The bandwidth limit: the measurement, a file's weight bytes, and each system's share of the limit in a run."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+
+from tests.bench.fake_openai import FakeOpenAI
+from tests.tiny_model import write_tiny_gguf
+from tokenmill.bench import bandwidth, run
+from tokenmill.bench.load import bench_url
+from tokenmill.cli import main
+
+
+def test_the_measurement_is_a_finite_speed_and_leaves_torch_threads_as_they_were() -> None:
+    threads = torch.get_num_threads()
+    gb_s = bandwidth.measure_read_gb_s(size_bytes=32 << 20, repeats=2, threads=1)
+    assert 0 < gb_s < math.inf and torch.get_num_threads() == threads
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_a_gguf_files_weight_bytes_are_its_tensors_data(tmp_path: Path, quantize: bool) -> None:
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", quantize=quantize)
+    expected = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)  # the gguf package's own count
+    assert bandwidth.gguf_weight_bytes(str(path)) == expected > 0
+
+
+def test_the_limit_is_bandwidth_over_bytes() -> None:
+    assert bandwidth.limit_tok_s(20.0, 500_000_000) == pytest.approx(40.0)
+
+
+def test_each_system_gets_its_share_of_the_limit(tmp_path: Path) -> None:
+    path = str(write_tiny_gguf(tmp_path / "tiny.gguf"))
+    weight_bytes = bandwidth.gguf_weight_bytes(path)
+    figures: dict[str, dict[str, float | None]] = {"a": {"decode_tok_s": 50.0}, "b": {"decode_tok_s": None}}
+    meta = run._bandwidth_limit(figures, path, [10.0, 30.0, 20.0])  # the median round: 20 GB/s
+    limit = 20e9 / weight_bytes
+    assert meta == {"memory_read_gb_s": 20.0, "weight_bytes": weight_bytes, "bandwidth_limit_tok_s": limit}
+    assert figures["a"]["bandwidth_share"] == pytest.approx(50.0 / limit) and figures["b"]["bandwidth_share"] is None
+    assert run._bandwidth_limit({"a": {"decode_tok_s": 1.0}}, path, []) == {}  # --no-bandwidth: nothing measured
+
+
+def test_a_run_on_a_gguf_measures_each_round_and_prints_the_limit(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake = FakeOpenAI()
+    monkeypatch.setattr(run, "bench_url", functools.partial(bench_url, transport=fake.transport()))
+    measured: list[int] = []
+    monkeypatch.setattr(bandwidth, "measure_read_gb_s", lambda: measured.append(1) or 10.0)
+    path = str(write_tiny_gguf(tmp_path / "tiny.gguf"))
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--url", "http://127.0.0.1:9", "--model", path, "--requests", "4", "--max-tokens", "8"]
+    assert main([*argv, "--concurrency", "1", "--rounds", "2", "--json", str(out)]) == 0
+    assert len(measured) == 2  # once per round
+    printed = capsys.readouterr().out
+    assert "memory read 10.0 GB/s" in printed and "share of bandwidth limit" in printed
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["memory_read_gb_s"] == 10.0 and meta["weight_bytes"] == bandwidth.gguf_weight_bytes(path)
+
+
+def test_no_measurement_without_a_file_or_with_no_bandwidth(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake = FakeOpenAI()
+    monkeypatch.setattr(run, "bench_url", functools.partial(bench_url, transport=fake.transport()))
+
+    def never() -> float:
+        raise AssertionError("nothing to set a limit with: no measurement")
+
+    monkeypatch.setattr(bandwidth, "measure_read_gb_s", never)
+    argv = ["bench", "--url", "http://127.0.0.1:9", "--requests", "4", "--max-tokens", "8", "--concurrency", "1"]
+    assert main(argv) == 0
+    path = str(write_tiny_gguf(tmp_path / "tiny.gguf"))
+    assert main([*argv, "--model", path, "--no-bandwidth"]) == 0
+    assert "memory read" not in capsys.readouterr().out

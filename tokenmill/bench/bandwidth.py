@@ -1,0 +1,49 @@
+"""This machine's memory read bandwidth, and the single-stream speed limit it sets for a model file.
+
+A single-stream decode step reads every weight once, so on a memory-bound CPU a token cannot take less time than the
+bytes of weights ÷ the read bandwidth. The bench measures the bandwidth in the same run as the servers (the machine's
+speed drifts between minutes, so a figure from another session would not do) and reports, per server, the share of
+that limit its single-stream decode reaches for the bytes the GGUF file holds.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from tokenmill.bench.servers import cpu_cores
+
+READ_BYTES = 1 << 30  # far past every cache, so the sum streams from memory
+REPEATS = 5
+
+
+def measure_read_gb_s(size_bytes: int = READ_BYTES, repeats: int = REPEATS, threads: int | None = None) -> float:
+    """GB/s (10⁹ bytes) of the fastest of `repeats` sums over a `size_bytes` float32 tensor, on `threads` threads
+    (default: every core, as the servers run)."""
+    import torch
+
+    x = torch.ones(size_bytes // 4, dtype=torch.float32)  # written once: every page is backed before timing
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads or cpu_cores())
+    try:
+        best = math.inf
+        for _ in range(repeats):
+            start = time.perf_counter()
+            x.sum()
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(previous)
+    return x.numel() * 4 / best / 1e9
+
+
+def gguf_weight_bytes(path: str) -> int:
+    """The bytes of tensor data a GGUF file holds: what a decoder reading each weight once per token reads."""
+    from tokenmill.model.loading.gguf_file import read_gguf_file
+
+    _, tensors = read_gguf_file(path)
+    return sum(t.data.nbytes for t in tensors)
+
+
+def limit_tok_s(read_gb_s: float, weight_bytes: int) -> float:
+    """The single-stream decode speed at which reading the weights once per token takes all the bandwidth."""
+    return read_gb_s * 1e9 / weight_bytes
