@@ -77,6 +77,7 @@ def test_stats_count_the_steps_and_tokens_of_a_request(client: TestClient) -> No
     assert after["steps"] - before["steps"] == 7
     assert after["tokens_computed"] - before["tokens_computed"] == 15 + 7 - 1
     assert (after["num_running"], after["num_used_blocks"]) == (0, 0)
+    assert after["weight_bytes_per_token"] == before["weight_bytes_per_token"] > 0  # the model's, not a counter
 
 
 def test_disconnect_mid_stream_frees_the_kv_blocks() -> None:

@@ -23,6 +23,7 @@ class FakeOpenAI:
     peer_like: bool = False
     fail_every: int = 0  # answer every n-th completion with a 500 (0: never)
     step_s: float = 0.001
+    weight_bytes: int | None = None  # tokenmill-like: /stats reports the weights one decode step reads
     bodies: list[dict[str, Any]] = field(default_factory=list)
     in_flight: int = 0
     max_in_flight: int = 0
@@ -35,6 +36,8 @@ class FakeOpenAI:
             return httpx.Response(200, json={"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
         if request.method == "GET" and request.url.path == "/tokenizer_info" and not self.peer_like:
             return httpx.Response(200, json={"eos_token_id": EOS_ID, "bos_token_id": 1})
+        if request.method == "GET" and request.url.path == "/stats" and self.weight_bytes is not None:
+            return httpx.Response(200, json={"steps": 0, "weight_bytes_per_token": self.weight_bytes})
         if request.method == "POST" and request.url.path == "/v1/completions":
             body = json.loads(request.content)
             self.bodies.append(body)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import math
@@ -14,8 +15,10 @@ import torch
 from tests.bench.fake_openai import FakeOpenAI
 from tests.tiny_model import write_tiny_gguf
 from tokenmill.bench import bandwidth, run
-from tokenmill.bench.load import bench_url
+from tokenmill.bench.load import LoadSettings, bench_url
 from tokenmill.cli import main
+
+SETTINGS = LoadSettings(max_tokens=4, eos_ids=None, single_runs=1, concurrency=(1,), requests=2)
 
 
 def test_the_measurement_is_a_finite_speed_and_leaves_torch_threads_as_they_were() -> None:
@@ -79,3 +82,21 @@ def test_no_measurement_without_a_file_or_with_no_bandwidth(
     path = str(write_tiny_gguf(tmp_path / "tiny.gguf"))
     assert main([*argv, "--model", path, "--no-bandwidth"]) == 0
     assert "memory read" not in capsys.readouterr().out
+
+
+def test_a_server_that_reports_its_weight_bytes_gets_them_in_the_table_and_a_peer_gets_the_files(
+    tmp_path: Path,
+) -> None:
+    ours = asyncio.run(
+        bench_url("http://127.0.0.1:9", SETTINGS, transport=FakeOpenAI(weight_bytes=270_000_000).transport())
+    )
+    theirs = asyncio.run(bench_url("http://127.0.0.1:9", SETTINGS, transport=FakeOpenAI(peer_like=True).transport()))
+    assert ours["weight_bytes_per_token"] == 270_000_000 and theirs["weight_bytes_per_token"] is None
+    figures = {
+        "tokenmill": run.system_figures({"passes": [ours]}),
+        "llama-server": run.system_figures({"passes": [theirs]}),
+    }
+    path = str(write_tiny_gguf(tmp_path / "tiny.gguf"))
+    run._bandwidth_limit(figures, path, [20.0])
+    assert figures["tokenmill"]["weights_read_mb"] == 270.0
+    assert figures["llama-server"]["weights_read_mb"] == bandwidth.gguf_weight_bytes(path) / 1e6

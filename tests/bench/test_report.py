@@ -42,7 +42,7 @@ def test_table_has_a_column_per_system_and_ratio_and_skips_empty_rows() -> None:
 
 def test_rows_follow_the_concurrency_levels() -> None:
     keys = [key for key, _, _ in rows([1, 16])]
-    assert keys[:3] == ["decode_tok_s", "bandwidth_share", "ttft_s"]
+    assert keys[:4] == ["decode_tok_s", "bandwidth_share", "weights_read_mb", "ttft_s"]
     assert "c1_agg_tok_s" in keys and "c16_ttft_p99_s" in keys and keys[-1] == "startup_s"
 
 

@@ -168,6 +168,13 @@ async def discover(client: httpx.AsyncClient, base_url: str) -> tuple[str, tuple
     return model, tuple(int(i) for i in ids if i is not None) or None
 
 
+async def served_weight_bytes(client: httpx.AsyncClient, base_url: str) -> int | None:
+    """The bytes of weights a decode step reads, where the server says (tokenmill's /stats); None elsewhere."""
+    stats = await client.get(f"{base_url}/stats")
+    value = stats.json().get("weight_bytes_per_token") if stats.status_code == 200 else None
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
 def make_client(settings: LoadSettings, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
     headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
     most = max((*settings.concurrency, 1))
@@ -193,4 +200,12 @@ async def bench_url(
         await stream_completion(client, base_url, warmup, settings.request_timeout_s)
         single = await run_single(client, base_url, model, settings, eos_ids)
         levels = [await run_level(client, base_url, model, settings, eos_ids, c) for c in settings.concurrency]
-    return {"url": base_url, "model": model, "eos_ids": list(eos_ids), "single": single, "levels": levels}
+        weight_bytes = await served_weight_bytes(client, base_url)
+    return {
+        "url": base_url,
+        "model": model,
+        "eos_ids": list(eos_ids),
+        "single": single,
+        "levels": levels,
+        "weight_bytes_per_token": weight_bytes,
+    }

@@ -20,6 +20,7 @@ def rows(concurrency: Sequence[int]) -> list[tuple[str, str, str]]:
     table = [
         ("decode_tok_s", "single-stream decode", "tok/s"),
         ("bandwidth_share", "single-stream: share of bandwidth limit", "%"),
+        ("weights_read_mb", "weights read per token", "MB"),
         ("ttft_s", "single-stream TTFT", "ms"),
     ]
     for c in concurrency:

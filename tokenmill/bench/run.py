@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 
 from tokenmill.bench import bandwidth, hf_baseline, report
+from tokenmill.bench.flags import PEERS
 from tokenmill.bench.llama_server import ensure_llama_server, llama_server_spec
 from tokenmill.bench.load import LoadSettings, bench_url, discover, make_client
 from tokenmill.bench.loopback import NotLoopbackError, require_loopback
@@ -258,9 +259,11 @@ def _bandwidth_limit(
     gb_s = median_of_rounds([{"v": v} for v in read_gb_s])["v"] or 0.0
     weight_bytes = bandwidth.gguf_weight_bytes(weights_file)
     limit = bandwidth.limit_tok_s(gb_s, weight_bytes)
-    for system in figures.values():
+    for name, system in figures.items():
         decode = system.get("decode_tok_s")
         system["bandwidth_share"] = decode / limit if decode is not None else None
+        if name in PEERS:  # llama.cpp multiplies with the file's own quantised blocks: it reads what the file holds
+            system.setdefault("weights_read_mb", weight_bytes / 1e6)
     return {"memory_read_gb_s": gb_s, "weight_bytes": weight_bytes, "bandwidth_limit_tok_s": limit}
 
 
@@ -288,7 +291,10 @@ def system_figures(system: dict[str, Any]) -> Figures:
 
 def _pass_figures(one_pass: dict[str, Any]) -> Figures:
     if "levels" in one_pass:  # a server pass
-        return flat_figures(one_pass["single"], one_pass["levels"])
+        figures = flat_figures(one_pass["single"], one_pass["levels"])
+        if one_pass.get("weight_bytes_per_token"):
+            figures["weights_read_mb"] = one_pass["weight_bytes_per_token"] / 1e6
+        return figures
     batch = one_pass["batch"]  # a transformers run: its batched generate stands in the batch-sized clients row
     return {
         "decode_tok_s": one_pass["decode_tok_s"],

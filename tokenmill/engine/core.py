@@ -39,6 +39,7 @@ class EngineStats:
     num_used_blocks: int = 0
     num_free_blocks: int = 0
     num_preemptions: int = 0
+    weight_bytes_per_token: int = 0  # what one decode step reads of the model's weights (not a counter)
 
 
 class EngineCore:
@@ -58,7 +59,7 @@ class EngineCore:
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
         self.requests: dict[str, RequestState] = {}
-        self.stats = EngineStats()
+        self.stats = EngineStats(weight_bytes_per_token=runner.model.weight_bytes_per_token())
         self._token_texts: dict[int, str] = {}
         self._failed: list[RequestOutput] = []  # error outputs of requests failed during this step
 
