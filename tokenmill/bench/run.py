@@ -21,9 +21,9 @@ from typing import Any
 
 import httpx
 
-from tokenmill.bench import bandwidth, hf_baseline, report
+from tokenmill.bench import bandwidth, hf_baseline, report, synthetic
 from tokenmill.bench.flags import PEERS
-from tokenmill.bench.llama_server import ensure_llama_server, llama_server_spec
+from tokenmill.bench.llama_server import binary_path, ensure_llama_server, llama_server_spec
 from tokenmill.bench.load import LoadSettings, bench_url, discover, make_client
 from tokenmill.bench.loopback import NotLoopbackError, require_loopback
 from tokenmill.bench.servers import (
@@ -47,9 +47,14 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.url and args.compare:
         print("tokenmill bench: --url and --compare exclude each other", file=sys.stderr)
         return 2
+    if args.synthetic and args.model:
+        print("tokenmill bench: --synthetic and --model exclude each other", file=sys.stderr)
+        return 2
     try:
         if args.url:
             require_loopback(args.url)
+        if args.synthetic:
+            args.model = str(_synthetic_file(args))
         results = bench_external(args) if args.url else bench_managed(args)
     except (NotLoopbackError, ServerStartError, httpx.HTTPError) as exc:
         print(f"tokenmill bench: {exc}", file=sys.stderr)
@@ -125,6 +130,14 @@ def bench_managed(args: argparse.Namespace) -> dict[str, Any]:
 
 def _tokenmill_extra(args: argparse.Namespace) -> list[str]:
     return [*(["--dtype", args.dtype] if args.dtype else []), *shlex.split(args.tokenmill_args)]
+
+
+def _synthetic_file(args: argparse.Namespace) -> Path:
+    """The random-weight file of --synthetic's shape; llama.cpp's build provides the quantiser."""
+    ensure_llama_server(args.llama_server_dir, args.llama_server_version)
+    quantize = binary_path(args.llama_server_dir, "llama-quantize")
+    directory = args.llama_server_dir.parent / "synthetic"
+    return synthetic.ensure_synthetic(args.synthetic, directory, quantize, Path(_packaged_gguf()))
 
 
 def _weights_file(args: argparse.Namespace) -> str | None:
