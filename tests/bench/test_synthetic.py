@@ -61,4 +61,3 @@ def test_a_missing_file_is_written_then_quantised_and_the_f16_removed(
     assert not Path(args[0]).exists()
     quantize.unlink()  # a second call finds the file and runs nothing
     assert synthetic.ensure_synthetic("small", tmp_path / "synthetic", quantize, source) == out
-
