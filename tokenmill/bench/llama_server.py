@@ -10,6 +10,7 @@ under `.bench/llama-server-<version>/`. The build takes many minutes on a 2-core
 
 from __future__ import annotations
 
+import platform
 import shutil
 import subprocess
 import sys
@@ -29,6 +30,11 @@ CMAKE_OPTIONS = (
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
 )
+# On x86-64, native flags minus AMX: this build's AMX matmul faults (SIGILL at `tilezero` in tinygemm_kernel_amx,
+# under OpenMP) on CPUs that report AMX, here on the first decode; its AVX-512/AVX2 paths are what most CPUs run.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+X86_OPTIONS = (f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}")
+OPTIONS_FILE = "tokenmill-cmake-options.txt"  # what the build under `root` was configured with
 
 
 TARGETS = ("llama-server", "llama-quantize")  # the server, and llama.cpp's quantiser for the synthetic files
@@ -42,7 +48,10 @@ def ensure_llama_server(root: Path, version: str = SOURCE_VERSION, timeout_s: fl
     """The llama-server binary built under `root` (and llama-quantize beside it), downloading the sources and
     building first if either is missing."""
     binary = binary_path(root)
-    if all(binary_path(root, target).is_file() for target in TARGETS):
+    options = cmake_options()
+    stamp = root / "build" / OPTIONS_FILE
+    built = all(binary_path(root, target).is_file() for target in TARGETS)
+    if built and stamp.is_file() and stamp.read_text() == "\n".join(options):
         return binary
     root.mkdir(parents=True, exist_ok=True)
     log = root / "build.log"
@@ -50,13 +59,18 @@ def ensure_llama_server(root: Path, version: str = SOURCE_VERSION, timeout_s: fl
     with log.open("ab") as out:
         source = _download_source(root, version, out, timeout_s)
         build = root / "build"
-        _run(["cmake", "-S", str(source), "-B", str(build), "-G", _generator(), *CMAKE_OPTIONS], out, timeout_s)
+        _run(["cmake", "-S", str(source), "-B", str(build), "-G", _generator(), *options], out, timeout_s)
         jobs = str(cpu_cores())
         _run(["cmake", "--build", str(build), "--target", *TARGETS, "-j", jobs], out, timeout_s)
     missing = [str(binary_path(root, t)) for t in TARGETS if not binary_path(root, t).is_file()]
     if missing:
         raise RuntimeError(f"the llama.cpp build finished without {', '.join(missing)}; see {log}")
+    stamp.write_text("\n".join(options))
     return binary
+
+
+def cmake_options() -> tuple[str, ...]:
+    return CMAKE_OPTIONS + (X86_OPTIONS if platform.machine() in ("x86_64", "AMD64") else ())
 
 
 def llama_server_spec(
