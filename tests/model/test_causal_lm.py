@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
 
+from tests.engine.tiny import tiny_config
 from tokenmill.model.linear import prepare_linears
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loading.loader import load_model_files
-from tokenmill.model.model_config import ModelConfig
 from tokenmill.model.registry import build_model
 
 
@@ -37,20 +38,7 @@ def test_a_quantised_head_is_counted_in_its_own_bytes_and_the_table_is_gone(
 
 
 def test_a_separate_heads_embedding_table_is_only_looked_up() -> None:
-    cfg = ModelConfig(
-        architecture="llama",
-        vocab_size=96,
-        hidden_size=16,
-        intermediate_size=32,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=8,
-        rms_norm_eps=1e-6,
-        rope_theta=10_000.0,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
+    cfg = dataclasses.replace(tiny_config(), architecture="llama", tie_word_embeddings=False)
     model = LlamaForCausalLM(cfg)
     table = model.model.embed_tokens.weight
     assert model.lm_head is not None
