@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import dataclasses
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -269,7 +270,7 @@ def _bandwidth_limit(
     limit they set, added to its figures."""
     if not read_gb_s or weights_file is None:
         return {}
-    gb_s = median_of_rounds([{"v": v} for v in read_gb_s])["v"] or 0.0
+    gb_s = statistics.median(read_gb_s)
     weight_bytes = bandwidth.gguf_weight_bytes(weights_file)
     limit = bandwidth.limit_tok_s(gb_s, weight_bytes)
     for name, system in figures.items():

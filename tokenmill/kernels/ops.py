@@ -30,6 +30,8 @@ from tokenmill.kernels import build
 _LIMITS = build.header_defines()  # kernels.h: the C side's limits, read rather than copied
 MAX_HEAD_DIM = _LIMITS["MAX_HEAD_DIM"]  # norm_rotary's stack buffer
 MAX_ATTENTION_HEAD_DIM = _LIMITS["MAX_ATTENTION_HEAD_DIM"]  # paged_attention's register tile
+INT8_MATMUL_TILE = _LIMITS["INT8_MATMUL_TILE"]  # int8_matmul's output columns per tile
+INT8_MATMUL_K_MULTIPLE = _LIMITS["INT8_MATMUL_K_MULTIPLE"]  # its input width must be a multiple of this
 
 
 @cache

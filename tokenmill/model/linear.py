@@ -24,8 +24,8 @@ from tokenmill.kernels import ops
 INT4_GROUP = 32  # GGUF's quantisation blocks are 32 wide too
 FP32_ROW_TILE = 4
 QUANT_CHUNK_ROWS = 8192  # a multiple of INT8_TILE
-INT8_TILE = 64  # int8_matmul.c's output columns per tile
-INT8_TILED_K = 32  # its input width must be a multiple of this
+INT8_TILE = ops.INT8_MATMUL_TILE  # int8_matmul.c's output columns per tile (kernels.h)
+INT8_TILED_K = ops.INT8_MATMUL_K_MULTIPLE  # its input width must be a multiple of this
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
