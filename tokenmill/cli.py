@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import sys
+from typing import Any
 
 from tokenmill.bench.flags import add_bench_arguments
 from tokenmill.config import ENV_HELP, Config, ConfigError, add_config_arguments, config_from_args
@@ -14,19 +15,12 @@ from tokenmill.config import ENV_HELP, Config, ConfigError, add_config_arguments
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tokenmill", description="OpenAI-compatible completions server")
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="start the HTTP server (default model: Gemma 3 270M)", epilog=ENV_HELP)
-    add_config_arguments(serve)
-    complete = commands.add_parser(
-        "complete", help="complete one prompt on the command line, no server", epilog=ENV_HELP
-    )
-    add_config_arguments(complete)
+    config_command(commands, "serve", "start the HTTP server (default model: Gemma 3 270M)")
+    complete = config_command(commands, "complete", "complete one prompt on the command line, no server")
     complete.add_argument("prompt")
     complete.add_argument("--max-tokens", type=int, default=32)
     complete.add_argument("--temperature", type=float, default=0.0)
-    models = commands.add_parser(
-        "models", help="print the model the server would serve, and its settings", epilog=ENV_HELP
-    )
-    add_config_arguments(models)
+    config_command(commands, "models", "print the model the server would serve, and its settings")
     add_bench_arguments(commands.add_parser("bench", help="benchmark a server, or tokenmill against llama.cpp"))
     args = parser.parse_args(argv)
     if args.command == "bench":
@@ -41,6 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "complete":
         return asyncio.run(complete_once(config, args.prompt, args.max_tokens, args.temperature))
     return show_model(config)
+
+
+def config_command(commands: Any, name: str, help: str) -> argparse.ArgumentParser:
+    """A subcommand that takes every Config setting as a flag (and says so of the TOKENMILL_* variables)."""
+    command: argparse.ArgumentParser = commands.add_parser(name, help=help, epilog=ENV_HELP)
+    add_config_arguments(command)
+    return command
 
 
 def run_bench(args: argparse.Namespace) -> int:
