@@ -8,6 +8,7 @@ compare against it.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -185,20 +186,24 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{_GGUF_GEMMA3['.'.join(module)]}.{kind}"
 
 
-def write_tiny_gguf(path: str | Path, architecture: str = "gemma3", quantize: bool = False, seed: int = 0) -> Path:
+def write_tiny_gguf(
+    path: str | Path,
+    architecture: str = "gemma3",
+    quantize: bool | Sequence[gguf.GGMLQuantizationType] = False,
+    seed: int = 0,
+) -> Path:
     """The tiny model as a GGUF; norms stored as w + 1 like llama.cpp does. `architecture` is written as given,
-    so tests can make files of architectures the engine does not support."""
+    so tests can make files of architectures the engine does not support. `quantize`: the matrices in Q8_0, or in
+    the given types taken in turn (so stacked projections mix types, as in real files)."""
+    types = [gguf.GGMLQuantizationType.Q8_0] if quantize is True else list(quantize or [])
     config = tiny_hf_config()
     writer = gguf.GGUFWriter(str(path), architecture)
     _write_gguf_metadata(writer, config)
     for name, tensor in tiny_state_dict(config, seed).items():
         values = (tensor + 1.0 if name.endswith("norm.weight") else tensor).numpy().astype(np.float32)
-        if quantize and values.ndim == 2:
-            writer.add_tensor(
-                gguf_name(name),
-                gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0),
-                raw_dtype=gguf.GGMLQuantizationType.Q8_0,
-            )
+        if types and values.ndim == 2:
+            kind, types = types[0], [*types[1:], types[0]]
+            writer.add_tensor(gguf_name(name), gguf.quants.quantize(values, kind), raw_dtype=kind)
         else:
             writer.add_tensor(gguf_name(name), values)
     writer.write_header_to_file()

@@ -17,7 +17,7 @@ from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 DEFAULT_MODEL_NAME = "gemma-3-270m"
 DTYPES = ("float32", "bfloat16")
-QUANTIZATIONS = ("none", "int8", "int4")
+QUANTIZATIONS = ("none", "gguf", "int8", "int4")
 ENV_HELP = (
     "Every flag can also be set as TOKENMILL_<FLAG> (e.g. TOKENMILL_MAX_NUM_SEQS=8); a flag wins over the variable."
 )
@@ -44,7 +44,8 @@ class Config:
     )
     quantization: str | None = _opt(
         None,
-        "weight-only quantisation of the linear layers and LM head; default: int8 with bfloat16, none with float32",
+        "weight-only quantisation of the linear layers and LM head; gguf: a GGUF file's own quantised blocks, as"
+        " they are (int8 for a Hugging Face directory); default: gguf with bfloat16, none with float32",
         choices=QUANTIZATIONS,
     )
     cache_dir: str | None = _opt(None, "where converted weights and tokenizers are cached; default: user cache dir")
@@ -87,10 +88,11 @@ class Config:
 
     @property
     def weight_quantization(self) -> str:
-        """The quantisation in force: the flag, else int8 for bfloat16 (the fast default) and none for float32."""
+        """The quantisation asked for: the flag, else gguf for bfloat16 (the fast default) and none for float32.
+        `gguf` means int8 for a model that is not a GGUF file (engine/build.py decides, knowing the model)."""
         if self.quantization is not None:
             return self.quantization
-        return "int8" if self.dtype == "bfloat16" else "none"
+        return "gguf" if self.dtype == "bfloat16" else "none"
 
     def with_overrides(self, **changes: Any) -> Config:
         return replace(self, **changes)

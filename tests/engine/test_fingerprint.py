@@ -39,14 +39,16 @@ def test_what_can_change_outputs_changes_the_fingerprint(source: str, config: Co
     assert system_fingerprint(source, config) != system_fingerprint(SOURCE, Config())
 
 
-def test_the_default_quantisation_is_int8_with_bfloat16() -> None:
-    assert system_fingerprint(SOURCE, Config()) == system_fingerprint(SOURCE, Config(quantization="int8"))
+def test_the_default_quantisation_is_the_gguf_files_own_with_bfloat16() -> None:
+    assert system_fingerprint(SOURCE, Config()) == system_fingerprint(SOURCE, Config(quantization="gguf"))
     assert Config(dtype="float32").weight_quantization == "none"
 
 
 def test_quantisation_modes_are_told_apart() -> None:
-    prints = {system_fingerprint(SOURCE, Config(dtype="bfloat16", quantization=q)) for q in ("none", "int8", "int4")}
-    assert len(prints) == 3
+    prints = {
+        system_fingerprint(SOURCE, Config(dtype="bfloat16", quantization=q)) for q in ("none", "gguf", "int8", "int4")
+    }
+    assert len(prints) == 4
 
 
 def test_a_new_version_changes_the_fingerprint(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,7 +16,7 @@ from tokenmill.model import linear
 
 Signatures = dict[str, tuple[build.CType | None, list[build.CType]]]
 C_TYPES: dict[str, build.CType] = {"int64_t": ctypes.c_int64, "float": ctypes.c_float, "int": ctypes.c_int}
-RETURNS: dict[str, build.CType | None] = {"void": None, "int": ctypes.c_int}
+RETURNS: dict[str, build.CType | None] = {"void": None, "int": ctypes.c_int, "int64_t": ctypes.c_int64}
 
 
 def _argument(declaration: str) -> build.CType:
@@ -28,10 +28,10 @@ def _argument(declaration: str) -> build.CType:
 
 
 def _prototypes(header: str) -> Signatures:
-    """Every `int|void name(args);` in a C header, comments dropped, as (return type, argument types)."""
+    """Every `int|int64_t|void name(args);` in a C header, comments dropped, as (return type, argument types)."""
     code = re.sub(r"/\*.*?\*/", "", header, flags=re.DOTALL)
     found: Signatures = {}
-    for returns, name, arguments in re.findall(r"\b(int|void)\s+(\w+)\s*\(([^)]*)\)\s*;", code):
+    for returns, name, arguments in re.findall(r"\b(int64_t|int|void)\s+(\w+)\s*\(([^)]*)\)\s*;", code):
         declarations = [] if arguments.strip() == "void" else [a.strip() for a in arguments.split(",")]
         found[name] = (RETURNS[returns], [_argument(d) for d in declarations])
     return found
@@ -52,7 +52,7 @@ def _mismatches(declared: Signatures, table: Signatures) -> list[str]:
 
 def test_the_ctypes_table_is_the_headers_prototypes() -> None:
     declared = _prototypes(build.KERNELS_H.read_text())
-    assert len(declared) == 11
+    assert len(declared) == 17
     assert _mismatches(declared, build.SIGNATURES) == []
 
 

@@ -17,7 +17,7 @@ from tokenmill.engine.kv_cache import BlockManager, kv_bytes_per_token
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.model.causal_lm import CausalLM
-from tokenmill.model.loading.memory import release_freed_memory
+from tokenmill.model.loading.memory import release_freed_memory, unmap_file_pages
 from tokenmill.tokenizer import Tokenizer
 
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -32,17 +32,22 @@ class LoadedEngine:
 
 def load_engine_core(config: Config) -> LoadedEngine:
     """Loads the model the config names, prepares its linears, and caches the prepared weights for the next start."""
-    from tokenmill.model.loading.loader import load_model_files, save_prepared
+    from tokenmill.model.loading.loader import is_gguf, load_model_files, save_prepared
     from tokenmill.model.registry import build_model
 
     if config.threads:
         torch.set_num_threads(config.threads)
     dtype, quantization = getattr(torch, config.dtype), config.weight_quantization
+    if quantization == "gguf" and not is_gguf(config.model):
+        config = config.with_overrides(quantization="int8")  # no GGUF blocks to keep: the float checkpoint's path
+        quantization = "int8"
     loaded = load_model_files(config.model, config.cache_dir, dtype, quantization)
-    model = build_model(loaded.config, loaded.state_dict, prepared=loaded.prepared)
-    loaded.state_dict = {}  # the model holds what it uses; the rest (a replaced bf16 table) can go
+    model = build_model(loaded.config, loaded.state_dict, prepared=loaded.prepared, quantized=loaded.quantized)
+    loaded.state_dict, loaded.quantized = {}, {}  # the model holds what it uses; the rest can go
+    if loaded.mapped is not None:  # the file's pages read to regroup blocks: the page cache keeps them, RSS need not
+        unmap_file_pages(*loaded.mapped)
     core = build_engine_core(model, loaded.tokenizer, config)
-    if not loaded.prepared and loaded.cache_entry is not None and quantization != "none":
+    if not loaded.prepared and loaded.cache_entry is not None and quantization not in ("none", "gguf"):
         save_prepared(model.state_dict(), loaded.cache_entry, dtype, quantization)
     release_freed_memory()
     name = config.served_model_name or loaded.name

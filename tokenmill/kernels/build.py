@@ -38,7 +38,9 @@ import platformdirs
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
-SOURCES = [HERE / name for name in ("fused.c", "int8_matmul.c", "paged_attention.c", "argmax.c", "gelu.c")]
+SOURCES = [
+    HERE / name for name in ("fused.c", "int8_matmul.c", "gguf_matmul.c", "paged_attention.c", "argmax.c", "gelu.c")
+]
 KERNELS_H = HERE / "kernels.h"  # the prototypes and limits C and Python share
 HEADERS = [KERNELS_H, HERE / "avx512_common.h"]
 FLAGS = ["-O3", "-ffp-contract=off", "-fPIC", "-shared"]
@@ -55,6 +57,12 @@ SIGNATURES: dict[str, tuple[CType | None, list[CType]]] = {
     "norm_rotary": (None, [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _F32]),
     "int8_matmul_available": (_INT, []),
     "int8_matmul": (_INT, [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _INT, _INT]),
+    "gguf_matmul_available": (_INT, []),
+    "gguf_quantize_rows": (_INT, [_PTR, _I64, _I64, _I64, _PTR, _INT]),
+    "gguf_matmul": (_INT, [_PTR, _I64, _I64, _INT, _PTR, _I64, _PTR, _I64, _INT, _INT]),
+    "gguf_packed_bytes": (_I64, [_INT, _I64, _I64]),
+    "gguf_repack": (_INT, [_INT, _PTR, _I64, _I64, _PTR, _INT]),
+    "gguf_matmul_packed": (_INT, [_PTR, _I64, _I64, _INT, _PTR, _I64, _PTR, _I64, _INT, _INT]),
     "paged_attention_available": (_INT, []),
     "paged_attention": (_INT, [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _F32, _PTR, _INT]),
     "argmax_available": (_INT, []),

@@ -32,6 +32,7 @@ MAX_HEAD_DIM = _LIMITS["MAX_HEAD_DIM"]  # norm_rotary's stack buffer
 MAX_ATTENTION_HEAD_DIM = _LIMITS["MAX_ATTENTION_HEAD_DIM"]  # paged_attention's register tile
 INT8_MATMUL_TILE = _LIMITS["INT8_MATMUL_TILE"]  # int8_matmul's output columns per tile
 INT8_MATMUL_K_MULTIPLE = _LIMITS["INT8_MATMUL_K_MULTIPLE"]  # its input width must be a multiple of this
+GGUF_XBLOCK_BYTES = _LIMITS["GGUF_XBLOCK_BYTES"]  # gguf_matmul's quantised activations: bytes per 32 inputs
 
 
 @cache
@@ -61,6 +62,11 @@ def _built(kernel: str) -> bool:
 def int8_matmul_available() -> bool:
     """AVX-512 (F, BW, VL, VNNI) or AVX2 + FMA, and OpenMP (see int8_matmul.c)."""
     return _built("int8_matmul")
+
+
+def gguf_matmul_available() -> bool:
+    """AVX-512 (F, BW, VL, VNNI) or AVX2 + FMA, with F16C, and OpenMP (see gguf_matmul.c)."""
+    return _built("gguf_matmul")
 
 
 def paged_attention_available() -> bool:
@@ -141,6 +147,41 @@ def int8_matmul(
     return out
 
 
+def gguf_quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """x: (M, K) bf16, rows contiguous → the int8 activation blocks gguf_matmul takes (uint8, (M, K / 32 * 72))."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    out = torch.empty(m, k // 32 * GGUF_XBLOCK_BYTES, dtype=torch.uint8)
+    if _lib().gguf_quantize_rows(x.data_ptr(), x.stride(0), m, k, out.data_ptr(), torch.get_num_threads()):
+        raise ValueError(f"gguf_quantize_rows: the input width {k} is not a multiple of 32")
+    return out
+
+
+def gguf_matmul(xq: torch.Tensor, k: int, ggml_type: int, weight: torch.Tensor, out: torch.Tensor) -> None:
+    """xq: gguf_quantize_rows' blocks of M rows; weight: (N, row bytes) uint8, the file's blocks of `ggml_type` for
+    rows of K weights; out: (M, ≥N) bf16 or float32, rows contiguous, its first N columns written (a column slice of
+    a wider output is fine)."""
+    m, n = xq.shape[0], weight.shape[0]
+    if out.stride(-1) != 1 or out.shape[0] != m or out.shape[1] < n:
+        raise ValueError("gguf_matmul: out must be (M, >= N) with contiguous rows")
+    float_out = int(out.dtype == torch.float32)
+    status = _lib().gguf_matmul(
+        xq.data_ptr(),
+        m,
+        k,
+        ggml_type,
+        weight.data_ptr(),
+        n,
+        out.data_ptr(),
+        out.stride(0),
+        float_out,
+        torch.get_num_threads(),
+    )
+    if status:
+        raise ValueError(f"gguf_matmul: ggml type {ggml_type} with rows of {k} is not a layout this kernel takes")
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -193,3 +234,39 @@ def argmax_rows(x: torch.Tensor) -> list[int]:
     if _lib().argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads()):
         raise MemoryError("argmax_rows: no memory for the per-segment results")
     return out.tolist()
+
+
+def gguf_repack(weight: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
+    """The file's (N, row bytes) blocks of a 32-weight type regrouped in 8-column groups for gguf_matmul_packed
+    (gguf_matmul.c says how); as many bytes per column, N padded to a multiple of 8."""
+    n = weight.shape[0]
+    size = _lib().gguf_packed_bytes(ggml_type, n, k)
+    if size < 0:
+        raise ValueError(f"gguf_repack: ggml type {ggml_type} with rows of {k} has no packed layout")
+    out = torch.empty(size, dtype=torch.uint8)
+    _lib().gguf_repack(ggml_type, weight.contiguous().data_ptr(), n, k, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def gguf_matmul_packed(
+    xq: torch.Tensor, k: int, ggml_type: int, packed: torch.Tensor, n: int, out: torch.Tensor
+) -> None:
+    """gguf_matmul for weights repacked by gguf_repack (n output columns)."""
+    m = xq.shape[0]
+    if out.stride(-1) != 1 or out.shape[0] != m or out.shape[1] < n:
+        raise ValueError("gguf_matmul_packed: out must be (M, >= N) with contiguous rows")
+    float_out = int(out.dtype == torch.float32)
+    status = _lib().gguf_matmul_packed(
+        xq.data_ptr(),
+        m,
+        k,
+        ggml_type,
+        packed.data_ptr(),
+        n,
+        out.data_ptr(),
+        out.stride(0),
+        float_out,
+        torch.get_num_threads(),
+    )
+    if status:
+        raise ValueError(f"gguf_matmul_packed: ggml type {ggml_type} with rows of {k} has no packed layout")

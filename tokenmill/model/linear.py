@@ -20,6 +20,7 @@ from torch import nn
 
 from tokenmill.config import QUANTIZATIONS
 from tokenmill.kernels import ops
+from tokenmill.model.gguf_linear import GgufLinear
 
 INT4_GROUP = 32  # GGUF's quantisation blocks are 32 wide too
 FP32_ROW_TILE = 4
@@ -174,8 +175,9 @@ class RowTiledLinear(nn.Module):
 
 
 def float32_product(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """layer(x) in float32 (logits): TiledInt8Linear writes float32 itself, unrounded; others' outputs are cast."""
-    if isinstance(layer, TiledInt8Linear):
+    """layer(x) in float32 (logits): TiledInt8Linear and GgufLinear write float32 themselves, unrounded; others'
+    outputs are cast."""
+    if isinstance(layer, TiledInt8Linear | GgufLinear):
         return layer(x, out_dtype=torch.float32)
     return layer(x).float()
 
@@ -183,9 +185,9 @@ def float32_product(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def make_linear(weight: torch.Tensor, quantization: str) -> nn.Module:
     if quantization == "int4" and weight.shape[1] % INT4_GROUP == 0:
         return Int4Linear.quantize(weight, weight.dtype)
-    if quantization == "int8" and TiledInt8Linear.fits(weight):
+    if quantization in ("int8", "gguf") and TiledInt8Linear.fits(weight):  # gguf: a weight the file holds as floats
         return TiledInt8Linear.quantize(weight)
-    if quantization in ("int8", "int4"):  # int4 needs whole groups along the input dim; int8 otherwise
+    if quantization in ("int8", "gguf", "int4"):  # int4 needs whole groups along the input dim; int8 otherwise
         return Int8Linear.quantize(weight, weight.dtype)
     if quantization == "none":
         return RowTiledLinear(weight)
@@ -237,7 +239,7 @@ def _embedding(model: nn.Module) -> nn.Embedding:
 
 def prepared_layout(dtype: torch.dtype, quantization: str) -> str:
     """Names the layout prepare_linears gives int8 weights here, for the prepared-weights cache file's name."""
-    tiled = quantization == "int8" and dtype == torch.bfloat16 and ops.int8_matmul_available()
+    tiled = quantization in ("int8", "gguf") and dtype == torch.bfloat16 and ops.int8_matmul_available()
     return "tiled" if tiled else "plain"
 
 

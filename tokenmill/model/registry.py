@@ -10,6 +10,7 @@ from torch import nn
 
 from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.gemma3 import Gemma3ForCausalLM
+from tokenmill.model.gguf_linear import GgufWeight, adopt_gguf
 from tokenmill.model.linear import adopt_prepared
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.model_config import ModelConfig, UnsupportedModelError
@@ -17,10 +18,16 @@ from tokenmill.model.model_config import ModelConfig, UnsupportedModelError
 ARCHITECTURES: dict[str, type[CausalLM]] = {"gemma3": Gemma3ForCausalLM, "llama": LlamaForCausalLM}
 
 
-def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], prepared: bool = False) -> CausalLM:
+def build_model(
+    cfg: ModelConfig,
+    state_dict: dict[str, torch.Tensor],
+    prepared: bool = False,
+    quantized: dict[str, GgufWeight] | None = None,
+) -> CausalLM:
     """Builds on the meta device (no random init of 268 M parameters) and adopts the loaded tensors as they are.
 
     `prepared`: the state dict was saved from a prepared model (quantised linears), whose module kinds it restores.
+    `quantized`: weights kept as a GGUF file's blocks, which get GgufLinear / GgufEmbedding modules.
     """
     cls = ARCHITECTURES.get(cfg.architecture)
     if cls is None:
@@ -29,7 +36,13 @@ def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], prepared:
         model = cls(cfg)
     if prepared:
         adopt_prepared(model, state_dict)
-    model.load_state_dict(stack_projections(state_dict, cls.STACKED_PROJECTIONS), assign=True, strict=True)
+    entries: dict[str, torch.Tensor] = {}
+    if quantized:
+        dtype = state_dict["model.norm.weight"].dtype
+        entries, floats = adopt_gguf(model, quantized, cls.STACKED_PROJECTIONS, dtype)
+        state_dict = {**state_dict, **floats}
+    stacked = stack_projections(state_dict, cls.STACKED_PROJECTIONS)
+    model.load_state_dict({**stacked, **entries}, assign=True, strict=True)
     return model.eval()
 
 

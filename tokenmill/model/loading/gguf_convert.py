@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from tokenmill.model.gguf_linear import GgufWeight, native
 from tokenmill.model.loading.gguf_file import GgufTensor, read_gguf_file
 from tokenmill.model.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
 from tokenmill.tokenizer import Tokenizer
@@ -80,6 +81,55 @@ def read_gguf(path: str, progress: bool = True) -> GgufModel:
         bar.set_postfix_str("building the tokenizer")
         tokenizer = Tokenizer.from_gguf(meta)
     return GgufModel(config, state_dict, tokenizer, str(meta.get("general.name", "")))
+
+
+@dataclass
+class NativeGguf:
+    """A GGUF file as the engine runs it natively: its quantised weights stay the file's blocks (mapped, not read)."""
+
+    config: ModelConfig
+    state_dict: dict[str, torch.Tensor]  # the rest (norms, float weights), HF names and conventions, in `dtype`
+    quantized: dict[str, GgufWeight]  # HF weight names → the file's blocks, rows in HF's order
+    tokenizer: Tokenizer
+    name: str
+    mapped: tuple[int, int]  # the address range of the file's tensor data in its (copy-on-write) mapping
+
+
+def read_gguf_native(path: str, dtype: torch.dtype) -> NativeGguf:
+    """Index the file and keep every weight of a type the kernels take as its blocks; no dequantisation, no copy
+    (but for Llama's q/k rows, which llama.cpp's converter permuted: their block rows are put back in HF's order)."""
+    meta, tensors = read_gguf_file(path, writable=True)
+    arch = str(meta.get("general.architecture"))
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"unsupported model architecture {arch!r} in {path}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    config = gguf_config(meta, {t.name: tuple(reversed(t.shape)) for t in tensors})
+    state_dict: dict[str, torch.Tensor] = {}
+    quantized: dict[str, GgufWeight] = {}
+    for tensor in tensors:
+        name = hf_name(tensor.name, config.architecture)
+        weight = GgufWeight(int(tensor.tensor_type), torch.from_numpy(tensor.data), int(tensor.shape[0]))
+        if len(tensor.shape) == 2 and name.endswith(".weight") and native(weight):
+            rows = _hf_rows(name, weight.raw, config)
+            quantized[name] = GgufWeight(weight.ggml_type, rows, weight.k, file_backed=rows is weight.raw)
+        else:
+            values = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            shape = tuple(reversed(tensor.shape))
+            state_dict[name] = _to_hf_convention(name, torch.from_numpy(values).reshape(shape), config).to(dtype)
+    addresses = [(t.data.ctypes.data, t.data.ctypes.data + t.data.nbytes) for t in tensors]
+    mapped = (min(a for a, _ in addresses), max(b for _, b in addresses))
+    tokenizer = Tokenizer.from_gguf(meta)
+    return NativeGguf(config, state_dict, quantized, tokenizer, str(meta.get("general.name", "")), mapped)
+
+
+def _hf_rows(name: str, raw: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """A quantised weight's block rows in HF's order: Llama's q/k rows un-permuted (a row's blocks move whole)."""
+    if config.architecture == "llama" and name.endswith("q_proj.weight"):
+        return unpermute_rotary(raw, config.num_heads).contiguous()
+    if config.architecture == "llama" and name.endswith("k_proj.weight"):
+        return unpermute_rotary(raw, config.num_kv_heads).contiguous()
+    return raw
 
 
 def read_gguf_tokenizer(path: str) -> Tokenizer:

@@ -90,9 +90,12 @@ class _Cursor:
         raise GgufFormatError(f"unknown GGUF value type {kind}")
 
 
-def read_gguf_file(path: str) -> tuple[dict[str, Any], list[GgufTensor]]:
-    """(metadata, tensors) of a little-endian GGUF file (versions 2 and 3)."""
-    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+def read_gguf_file(path: str, writable: bool = False) -> tuple[dict[str, Any], list[GgufTensor]]:
+    """(metadata, tensors) of a little-endian GGUF file (versions 2 and 3).
+
+    `writable`: map the file copy-on-write (the data never changes on disk; a page is copied only if written), so
+    torch can take the tensors' bytes as they are (it warns about read-only memory)."""
+    mapped = np.memmap(path, dtype=np.uint8, mode="c" if writable else "r")
     cur = _Cursor(mapped.data)  # ndarray.data: a memoryview of the mapping, no copy
     if bytes(mapped[:4]) != MAGIC:
         raise GgufFormatError(f"{path} is not a GGUF file")

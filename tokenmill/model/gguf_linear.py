@@ -1,0 +1,145 @@
+"""Linear layers and embeddings that compute with a GGUF file's own quantised blocks, never widened.
+
+A GGUF weight (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) stays as the file's bytes: the C kernel (kernels/gguf_matmul.c)
+multiplies with them directly, the 32-weight types regrouped once at load into its 8-column layout (as many bytes
+per column as the file), the K-quants straight from the file's memory map. Without the kernel, the torch code of
+gguf_quant.py computes the same products (slower). Either way a row's result does not depend on what else shares
+the batch: the activations are quantised per row and every block's dot product is an exact integer.
+
+A layer may hold several parts (the q, k and v projections stacked into one, each with its file's type): each part
+writes its own columns of one output, from one quantisation of the input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tokenmill.kernels import ops
+from tokenmill.model import gguf_quant
+from tokenmill.model.loading.memory import unmap_file_pages
+
+PACKED_TYPES = frozenset({gguf_quant.Q4_0, gguf_quant.Q5_0, gguf_quant.Q8_0})  # gguf_matmul.c's 8-column layout
+
+
+@dataclass(frozen=True)
+class GgufWeight:
+    """One tensor of a GGUF file as its blocks: (N, row bytes) uint8, for N rows of `k` weights of `ggml_type`."""
+
+    ggml_type: int
+    raw: torch.Tensor
+    k: int
+    file_backed: bool = False  # raw lies in a private, never-written mapping of the file (its pages can be dropped)
+
+    @property
+    def rows(self) -> int:
+        return self.raw.shape[0]
+
+
+def native(weight: GgufWeight) -> bool:
+    """Whether GgufLinear computes with this tensor's blocks as they are (else it is dequantised at load)."""
+    return weight.ggml_type in gguf_quant.SUPPORTED and weight.k % 32 == 0
+
+
+class GgufLinear(nn.Module):
+    """y = x @ W.T for W made of GGUF parts stacked by rows (e.g. q, k, v), all of the same input width."""
+
+    def __init__(self, parts: list[GgufWeight]) -> None:
+        super().__init__()
+        self.k = parts[0].k
+        if any(p.k != self.k for p in parts):
+            raise ValueError("the stacked parts of a GgufLinear must share their input width")
+        self.kernel = ops.gguf_matmul_available()
+        self.types = [p.ggml_type for p in parts]
+        self.rows = [p.rows for p in parts]
+        self.packed = [self.kernel and t in PACKED_TYPES for t in self.types]
+        self.out_features = sum(self.rows)
+        for i, part in enumerate(parts):
+            if self.packed[i]:
+                self.register_buffer(f"part{i}", ops.gguf_repack(part.raw, part.ggml_type, part.k))
+                if part.file_backed:  # read once to regroup: the page cache keeps those pages, RSS need not
+                    unmap_file_pages(part.raw.data_ptr(), part.raw.data_ptr() + part.raw.nbytes)
+            else:
+                self.register_buffer(f"part{i}", part.raw)
+
+    def _part(self, i: int) -> torch.Tensor:
+        return self.get_buffer(f"part{i}")
+
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1])
+        dtype = out_dtype or x.dtype
+        if self.kernel and rows.dtype == torch.bfloat16 and dtype in (torch.bfloat16, torch.float32):
+            out = self._kernel_forward(rows, dtype)
+        else:
+            out = torch.cat(
+                [gguf_quant.gguf_matmul(rows, self._part(i), t, self.k) for i, t in enumerate(self.types)], dim=1
+            ).to(dtype)
+        return out.reshape(*shape[:-1], self.out_features)
+
+    def _kernel_forward(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty(rows.shape[0], self.out_features, dtype=dtype)
+        if not rows.shape[0]:
+            return out
+        xq = ops.gguf_quantize_rows(rows)
+        at = 0
+        for i, (t, n) in enumerate(zip(self.types, self.rows)):
+            if self.packed[i]:
+                ops.gguf_matmul_packed(xq, self.k, t, self._part(i), n, out[:, at:])
+            else:
+                ops.gguf_matmul(xq, self.k, t, self._part(i), out[:, at:])
+            at += n
+        return out
+
+
+class GgufEmbedding(nn.Module):
+    """Embedding rows dequantised from the file's blocks at lookup (the table stays in the file's memory map)."""
+
+    def __init__(self, weight: GgufWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.ggml_type, self.k, self.dtype = weight.ggml_type, weight.k, dtype
+        self.register_buffer("raw", weight.raw)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return gguf_quant.dequantize_rows(self.get_buffer("raw"), self.ggml_type, self.k, ids).to(self.dtype)
+
+
+def adopt_gguf(
+    model: nn.Module,
+    quantized: dict[str, GgufWeight],
+    stacked: dict[str, tuple[str, ...]],
+    dtype: torch.dtype,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Give a freshly built (meta) model GgufLinear / GgufEmbedding modules for the weights kept as GGUF blocks.
+
+    `quantized` maps Hugging Face weight names to the file's blocks. Stacked projections (q/k/v, gate/up) become one
+    GgufLinear of several parts; a tied head reads the embedding's blocks. Returns the new modules' state dict
+    entries (a strict load then sees every key), and as float tensors the quantised weights left without such a
+    module (a stacked part whose siblings are floats joins them as a float, before stacking).
+    """
+    left = dict(quantized)
+    entries: dict[str, torch.Tensor] = {}
+
+    def place(name: str, module: nn.Module) -> None:
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, module)
+        entries.update({f"{name}.{key}": value for key, value in module.state_dict().items()})
+
+    for fused, parts in stacked.items():
+        for key in [k for k in list(left) if k.endswith(f".{parts[0]}.weight")]:
+            prefix = key[: -len(f"{parts[0]}.weight")]
+            names = [f"{prefix}{p}.weight" for p in parts]
+            if all(n in left for n in names):
+                place(f"{prefix}{fused}", GgufLinear([left.pop(n) for n in names]))
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear) and f"{name}.weight" in left:
+            place(name, GgufLinear([left.pop(f"{name}.weight")]))
+    embed = left.pop("model.embed_tokens.weight", None)
+    if embed is not None:
+        place("model.embed_tokens", GgufEmbedding(embed, dtype))
+        if getattr(model, "lm_head", None) is None:  # tied: the head multiplies with the same blocks
+            place("lm_head", GgufLinear([embed]))
+    floats = {name: gguf_quant.dequantize(w.raw, w.ggml_type, w.k).to(dtype) for name, w in left.items()}
+    return entries, floats
