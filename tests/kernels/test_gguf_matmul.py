@@ -11,21 +11,16 @@ from gguf import GGMLQuantizationType as T
 
 from tests.model.gguf_blocks import TYPES, activations, weights
 from tokenmill.kernels import build, ops
-from tokenmill.model.gguf_linear import PACKED_TYPES
 from tokenmill.model.gguf_quant import gguf_matmul, quantize_activations
 
 pytestmark = pytest.mark.skipif(not ops.gguf_matmul_available(), reason="the GGUF kernel is not built here")
 XBLOCK = ops.GGUF_XBLOCK_BYTES
 
 
-def kernel(x: torch.Tensor, raw: torch.Tensor, t: int, k: int, packed: bool, lib: object = None) -> torch.Tensor:
-    """The C product in float32: the file-layout kernel, or the 8-column one on the repacked blocks."""
+def kernel(x: torch.Tensor, raw: torch.Tensor, t: int, k: int) -> torch.Tensor:
+    """The C product in float32, on the file's blocks regrouped for it."""
     out = torch.empty(x.shape[0], raw.shape[0])
-    xq = ops.gguf_quantize_rows(x.to(torch.bfloat16))
-    if packed:
-        ops.gguf_matmul_packed(xq, k, t, ops.gguf_repack(raw, t, k), raw.shape[0], out)
-    else:
-        ops.gguf_matmul(xq, k, t, raw, out)
+    ops.gguf_matmul(ops.gguf_quantize_rows(x.to(torch.bfloat16)), k, t, ops.gguf_repack(raw, t, k), raw.shape[0], out)
     return out
 
 
@@ -35,47 +30,36 @@ def test_activation_blocks_hold_the_reference_codes_scales_and_sums() -> None:
     x[3, 5] = float("nan")
     blocks = ops.gguf_quantize_rows(x).view(5, 3, XBLOCK)
     q, d = quantize_activations(x)
-    codes = blocks[..., 40:].contiguous().view(torch.int8).reshape(5, 96)
+    codes = blocks[..., 16:].contiguous().view(torch.int8).reshape(5, 96)
     scales = blocks[..., :4].contiguous().view(torch.float32).reshape(5, 3)
     sums = blocks[..., 4:8].contiguous().view(torch.int32).reshape(5, 3)
-    lanes = blocks[..., 8:40].contiguous().view(torch.int32).reshape(5, 3, 8)
+    halves = blocks[..., 8:16].contiguous().view(torch.int32).reshape(5, 3, 2)
     assert torch.equal(codes, q)
     assert torch.equal(scales.nan_to_num(-1.0), d.nan_to_num(-1.0)) and scales[3, 0].isnan()
     assert torch.equal(sums, q.view(5, 3, 32).sum(-1, dtype=torch.int32))
-    assert torch.equal(lanes, q.view(5, 3, 8, 4).sum(-1, dtype=torch.int32))
+    assert torch.equal(halves, q.view(5, 3, 2, 16).sum(-1, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
-def test_file_layout_product_equals_the_torch_reference(t: T) -> None:
-    raw, k = weights(t)
-    x = activations(7, k)
-    ref = gguf_matmul(x.to(torch.bfloat16), raw, t, k)
-    assert torch.allclose(kernel(x, raw, t, k, packed=False), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
-
-
-@pytest.mark.parametrize("t", sorted(PACKED_TYPES), ids=lambda t: T(t).name)
 @pytest.mark.parametrize("n", [48, 45, 3])
-def test_repacked_product_equals_the_torch_reference_for_any_column_count(t: int, n: int) -> None:
-    raw, k = weights(T(t), n=n)
+def test_the_product_equals_the_torch_reference_for_any_column_count(t: T, n: int) -> None:
+    raw, k = weights(t, n=n)
     x = activations(9, k)
     ref = gguf_matmul(x.to(torch.bfloat16), raw, t, k)
-    assert torch.allclose(kernel(x, raw, t, k, packed=True), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    assert torch.allclose(kernel(x, raw, t, k), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["file", "packed"])
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
-def test_a_rows_result_does_not_depend_on_the_batch(t: T, packed: bool) -> None:
-    if packed and t not in PACKED_TYPES:
-        pytest.skip("the K-quants run from the file's layout")
+def test_a_rows_result_does_not_depend_on_the_batch(t: T) -> None:
     raw, k = weights(t)
-    x = activations(11, k)
+    x = activations(19, k)
     x[4, 3] = float("nan")  # a bad row is NaN and leaves the others alone
-    full = kernel(x, raw, t, k, packed)
+    full = kernel(x, raw, t, k)
     assert full[4].isnan().all() and not full[[0, 1, 2, 3, 5]].isnan().any()
-    for i in range(11):
-        assert torch.equal(kernel(x[i : i + 1], raw, t, k, packed)[0].nan_to_num(), full[i].nan_to_num())
-    for rows in (2, 3, 5, 6):
-        assert torch.equal(kernel(x[:rows], raw, t, k, packed).nan_to_num(), full[:rows].nan_to_num())
+    for i in range(19):
+        assert torch.equal(kernel(x[i : i + 1], raw, t, k)[0].nan_to_num(), full[i].nan_to_num())
+    for rows in (2, 3, 5, 8, 9, 12):
+        assert torch.equal(kernel(x[:rows], raw, t, k).nan_to_num(), full[:rows].nan_to_num())
 
 
 def test_bf16_output_is_the_float32_output_rounded() -> None:
@@ -83,8 +67,8 @@ def test_bf16_output_is_the_float32_output_rounded() -> None:
     xq = ops.gguf_quantize_rows(activations(3, k).to(torch.bfloat16))
     packed = ops.gguf_repack(raw, int(T.Q5_0), k)
     wide, narrow = torch.empty(3, 48), torch.empty(3, 48, dtype=torch.bfloat16)
-    ops.gguf_matmul_packed(xq, k, int(T.Q5_0), packed, 48, wide)
-    ops.gguf_matmul_packed(xq, k, int(T.Q5_0), packed, 48, narrow)
+    ops.gguf_matmul(xq, k, int(T.Q5_0), packed, 48, wide)
+    ops.gguf_matmul(xq, k, int(T.Q5_0), packed, 48, narrow)
     assert torch.equal(narrow, wide.to(torch.bfloat16))
 
 
@@ -92,18 +76,20 @@ def test_a_part_writes_only_its_columns_of_a_wider_output() -> None:
     raw, k = weights(T.Q4_K)
     xq = ops.gguf_quantize_rows(activations(2, k).to(torch.bfloat16))
     out = torch.full((2, 60), 7.0)
-    ops.gguf_matmul(xq, k, int(T.Q4_K), raw, out[:, 5:])
+    ops.gguf_matmul(xq, k, int(T.Q4_K), ops.gguf_repack(raw, int(T.Q4_K), k), 48, out[:, 5:])
     assert (out[:, :5] == 7).all() and (out[:, 53:] == 7).all()
-    assert torch.equal(out[:, 5:53], kernel(activations(2, k), raw, int(T.Q4_K), k, packed=False))
+    assert torch.equal(out[:, 5:53], kernel(activations(2, k), raw, int(T.Q4_K), k))
 
 
 def test_unsupported_layouts_are_refused() -> None:
-    raw, k = weights(T.Q4_K)
+    raw, _ = weights(T.Q4_K)
     xq = ops.gguf_quantize_rows(activations(1, 96).to(torch.bfloat16))
-    with pytest.raises(ValueError, match="not a layout"):
-        ops.gguf_matmul(xq, 96, int(T.Q4_K), raw, torch.empty(1, 48))  # K-quants need whole 256-weight blocks
+    with pytest.raises(ValueError, match="not a layout"):  # K-quants need whole 256-weight blocks
+        ops.gguf_matmul(xq, 96, int(T.Q4_K), raw, 48, torch.empty(1, 48))
     with pytest.raises(ValueError, match="no packed layout"):
-        ops.gguf_repack(raw, int(T.Q4_K), k)
+        ops.gguf_repack(raw, int(T.Q4_K), 96)
+    with pytest.raises(ValueError, match="no packed layout"):
+        ops.gguf_repack(raw, int(T.F16), 96)
 
 
 @pytest.mark.skipif(not {b"avx2", b"fma", b"f16c"} <= set(build.cpu_flags().split()), reason="no AVX2 here")
@@ -124,18 +110,11 @@ def test_the_avx2_build_gives_the_same_bits(tmp_path: Path) -> None:
         xq2 = torch.empty_like(xq)
         assert avx2.gguf_quantize_rows(x.data_ptr(), k, 6, k, xq2.data_ptr(), 2) == 0
         assert torch.equal(xq, xq2)
-        for packed in (False, True) if t in PACKED_TYPES else (False,):
-            mine, theirs = torch.empty(6, 48), torch.empty(6, 48)
-            if packed:
-                w = ops.gguf_repack(raw, int(t), k)
-                w2 = torch.empty_like(w)
-                assert avx2.gguf_repack(int(t), raw.data_ptr(), 48, k, w2.data_ptr(), 2) == 0
-                assert torch.equal(w, w2)
-                ops.gguf_matmul_packed(xq, k, int(t), w, 48, mine)
-                call = avx2.gguf_matmul_packed
-            else:
-                w = raw
-                ops.gguf_matmul(xq, k, int(t), w, mine)
-                call = avx2.gguf_matmul
-            assert call(xq.data_ptr(), 6, k, int(t), w.data_ptr(), 48, theirs.data_ptr(), 48, 1, 2) == 0
-            assert torch.equal(mine, theirs), (t.name, packed)
+        w = ops.gguf_repack(raw, int(t), k)
+        w2 = torch.empty_like(w)
+        assert avx2.gguf_repack(int(t), raw.data_ptr(), 48, k, w2.data_ptr(), 2) == 0
+        assert torch.equal(w, w2)  # one layout for both paths
+        mine, theirs = torch.empty(6, 48), torch.empty(6, 48)
+        ops.gguf_matmul(xq, k, int(t), w, 48, mine)
+        assert avx2.gguf_matmul(xq.data_ptr(), 6, k, int(t), w.data_ptr(), 48, theirs.data_ptr(), 48, 1, 2) == 0
+        assert torch.equal(mine, theirs), t.name

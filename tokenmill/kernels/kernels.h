@@ -17,7 +17,7 @@
 #define INT8_MATMUL_TILE 64
 #define INT8_MATMUL_K_MULTIPLE 32
 /* gguf_matmul's activation blocks: bytes per 32 inputs of a row quantised by gguf_quantize_rows (gguf_matmul.c) */
-#define GGUF_XBLOCK_BYTES 72
+#define GGUF_XBLOCK_BYTES 48
 
 /* fused.c: the norms and q/k norm + rotary, row by row (always compiled in) */
 void rms_norm(const uint16_t *x, int64_t stride, const float *factor, uint16_t *out, int64_t rows, int64_t dim,
@@ -35,12 +35,10 @@ int int8_matmul(const uint16_t *x, int64_t m, int64_t k, const int8_t *tiles, co
 
 int gguf_matmul_available(void);
 int gguf_quantize_rows(const uint16_t *x, int64_t stride, int64_t m, int64_t k, void *out, int threads);
-int gguf_matmul(const void *xq, int64_t m, int64_t k, int type, const uint8_t *w, int64_t n, void *out, int64_t ldo,
-                int float_out, int threads);
 int64_t gguf_packed_bytes(int type, int64_t n, int64_t k);
 int gguf_repack(int type, const uint8_t *w, int64_t n, int64_t k, uint8_t *out, int threads);
-int gguf_matmul_packed(const void *xq, int64_t m, int64_t k, int type, const uint8_t *w, int64_t n, void *out,
-                       int64_t ldo, int float_out, int threads);
+int gguf_matmul(const void *xq, int64_t m, int64_t k, int type, const uint8_t *w, int64_t n, void *out, int64_t ldo,
+                int float_out, int threads);
 
 int paged_attention_available(void);
 int paged_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,

@@ -148,7 +148,7 @@ def int8_matmul(
 
 
 def gguf_quantize_rows(x: torch.Tensor) -> torch.Tensor:
-    """x: (M, K) bf16, rows contiguous → the int8 activation blocks gguf_matmul takes (uint8, (M, K / 32 * 72))."""
+    """x: (M, K) bf16, rows contiguous → the int8 activation blocks gguf_matmul takes (uint8, (M, K / 32 * GGUF_XBLOCK_BYTES))."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
@@ -156,30 +156,6 @@ def gguf_quantize_rows(x: torch.Tensor) -> torch.Tensor:
     if _lib().gguf_quantize_rows(x.data_ptr(), x.stride(0), m, k, out.data_ptr(), torch.get_num_threads()):
         raise ValueError(f"gguf_quantize_rows: the input width {k} is not a multiple of 32")
     return out
-
-
-def gguf_matmul(xq: torch.Tensor, k: int, ggml_type: int, weight: torch.Tensor, out: torch.Tensor) -> None:
-    """xq: gguf_quantize_rows' blocks of M rows; weight: (N, row bytes) uint8, the file's blocks of `ggml_type` for
-    rows of K weights; out: (M, ≥N) bf16 or float32, rows contiguous, its first N columns written (a column slice of
-    a wider output is fine)."""
-    m, n = xq.shape[0], weight.shape[0]
-    if out.stride(-1) != 1 or out.shape[0] != m or out.shape[1] < n:
-        raise ValueError("gguf_matmul: out must be (M, >= N) with contiguous rows")
-    float_out = int(out.dtype == torch.float32)
-    status = _lib().gguf_matmul(
-        xq.data_ptr(),
-        m,
-        k,
-        ggml_type,
-        weight.data_ptr(),
-        n,
-        out.data_ptr(),
-        out.stride(0),
-        float_out,
-        torch.get_num_threads(),
-    )
-    if status:
-        raise ValueError(f"gguf_matmul: ggml type {ggml_type} with rows of {k} is not a layout this kernel takes")
 
 
 def paged_attention(
@@ -237,8 +213,8 @@ def argmax_rows(x: torch.Tensor) -> list[int]:
 
 
 def gguf_repack(weight: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
-    """The file's (N, row bytes) blocks of a 32-weight type regrouped in 8-column groups for gguf_matmul_packed
-    (gguf_matmul.c says how); as many bytes per column, N padded to a multiple of 8."""
+    """The file's (N, row bytes) blocks regrouped in 16-column groups for gguf_matmul_packed (gguf_matmul.c says
+    how; about as many bytes per column), N padded to a multiple of 16."""
     n = weight.shape[0]
     size = _lib().gguf_packed_bytes(ggml_type, n, k)
     if size < 0:
@@ -248,15 +224,15 @@ def gguf_repack(weight: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
     return out
 
 
-def gguf_matmul_packed(
-    xq: torch.Tensor, k: int, ggml_type: int, packed: torch.Tensor, n: int, out: torch.Tensor
-) -> None:
-    """gguf_matmul for weights repacked by gguf_repack (n output columns)."""
+def gguf_matmul(xq: torch.Tensor, k: int, ggml_type: int, packed: torch.Tensor, n: int, out: torch.Tensor) -> None:
+    """xq: gguf_quantize_rows' blocks of M rows; packed: gguf_repack's regrouping of N rows of K weights of
+    `ggml_type`; out: (M, ≥N) bf16 or float32 with contiguous rows, its first N columns written (a column slice of a
+    wider output is fine)."""
     m = xq.shape[0]
     if out.stride(-1) != 1 or out.shape[0] != m or out.shape[1] < n:
-        raise ValueError("gguf_matmul_packed: out must be (M, >= N) with contiguous rows")
+        raise ValueError("gguf_matmul: out must be (M, >= N) with contiguous rows")
     float_out = int(out.dtype == torch.float32)
-    status = _lib().gguf_matmul_packed(
+    status = _lib().gguf_matmul(
         xq.data_ptr(),
         m,
         k,
@@ -269,4 +245,4 @@ def gguf_matmul_packed(
         torch.get_num_threads(),
     )
     if status:
-        raise ValueError(f"gguf_matmul_packed: ggml type {ggml_type} with rows of {k} has no packed layout")
+        raise ValueError(f"gguf_matmul: ggml type {ggml_type} with rows of {k} is not a layout this kernel takes")

@@ -1,9 +1,9 @@
 """Linear layers and embeddings that compute with a GGUF file's own quantised blocks, never widened.
 
-A GGUF weight (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) stays as the file's bytes: the C kernel (kernels/gguf_matmul.c)
-multiplies with them directly, the 32-weight types regrouped once at load into its 8-column layout (as many bytes
-per column as the file), the K-quants straight from the file's memory map. Without the kernel, the torch code of
-gguf_quant.py computes the same products (slower). Either way a row's result does not depend on what else shares
+A GGUF weight (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) stays in the file's quantisation: the C kernel
+(kernels/gguf_matmul.c) multiplies with its blocks regrouped once at load into 16-column groups (about as many bytes
+per column as the file), and the file's own pages are dropped from the process after that. Without the kernel, the
+torch code of gguf_quant.py computes the same products (slower) from the file's mapped blocks. Either way a row's result does not depend on what else shares
 the batch: the activations are quantised per row and every block's dot product is an exact integer.
 
 A layer may hold several parts (the q, k and v projections stacked into one, each with its file's type): each part
@@ -20,8 +20,6 @@ from torch import nn
 from tokenmill.kernels import ops
 from tokenmill.model import gguf_quant
 from tokenmill.model.loading.memory import unmap_file_pages
-
-PACKED_TYPES = frozenset({gguf_quant.Q4_0, gguf_quant.Q5_0, gguf_quant.Q8_0})  # gguf_matmul.c's 8-column layout
 
 
 @dataclass(frozen=True)
@@ -54,10 +52,9 @@ class GgufLinear(nn.Module):
         self.kernel = ops.gguf_matmul_available()
         self.types = [p.ggml_type for p in parts]
         self.rows = [p.rows for p in parts]
-        self.packed = [self.kernel and t in PACKED_TYPES for t in self.types]
         self.out_features = sum(self.rows)
-        for i, part in enumerate(parts):
-            if self.packed[i]:
+        for i, part in enumerate(parts):  # the kernel's layout, or the file's blocks for the torch path
+            if self.kernel:
                 self.register_buffer(f"part{i}", ops.gguf_repack(part.raw, part.ggml_type, part.k))
                 if part.file_backed:  # read once to regroup: the page cache keeps those pages, RSS need not
                     unmap_file_pages(part.raw.data_ptr(), part.raw.data_ptr() + part.raw.nbytes)
@@ -86,10 +83,7 @@ class GgufLinear(nn.Module):
         xq = ops.gguf_quantize_rows(rows)
         at = 0
         for i, (t, n) in enumerate(zip(self.types, self.rows)):
-            if self.packed[i]:
-                ops.gguf_matmul_packed(xq, self.k, t, self._part(i), n, out[:, at:])
-            else:
-                ops.gguf_matmul(xq, self.k, t, self._part(i), out[:, at:])
+            ops.gguf_matmul(xq, self.k, t, self._part(i), n, out[:, at:])
             at += n
         return out
 
