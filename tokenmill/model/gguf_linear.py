@@ -50,6 +50,8 @@ class GgufLinear(nn.Module):
         if any(p.k != self.k for p in parts):
             raise ValueError("the stacked parts of a GgufLinear must share their input width")
         self.kernel = ops.gguf_matmul_available()
+        if self.kernel:
+            parts = _merge_same_types(parts)
         self.types = [p.ggml_type for p in parts]
         self.rows = [p.rows for p in parts]
         self.out_features = sum(self.rows)
@@ -86,6 +88,22 @@ class GgufLinear(nn.Module):
             ops.gguf_matmul(xq, self.k, t, self._part(i), n, out[:, at:])
             at += n
         return out
+
+
+def _merge_same_types(parts: list[GgufWeight]) -> list[GgufWeight]:
+    """Neighbouring parts of one type (gate and up, often q and k) become one: one kernel call instead of two. Rows
+    are independent outputs, so the merged part computes exactly what the two did."""
+    merged: list[GgufWeight] = []
+    for part in parts:
+        if merged and merged[-1].ggml_type == part.ggml_type:
+            last = merged.pop()
+            joined = GgufWeight(part.ggml_type, torch.cat([last.raw, part.raw]), part.k)
+            for source in (last, part):  # copied: the file's pages read for it can go
+                if source.file_backed:
+                    unmap_file_pages(source.raw.data_ptr(), source.raw.data_ptr() + source.raw.nbytes)
+            part = joined
+        merged.append(part)
+    return merged
 
 
 class GgufEmbedding(nn.Module):
