@@ -42,7 +42,7 @@ SOURCES = [
     HERE / name for name in ("fused.c", "int8_matmul.c", "gguf_matmul.c", "paged_attention.c", "argmax.c", "gelu.c")
 ]
 KERNELS_H = HERE / "kernels.h"  # the prototypes and limits C and Python share
-HEADERS = [KERNELS_H, HERE / "avx512_common.h"]
+HEADERS = [KERNELS_H, HERE / "avx512_common.h", HERE / "avx2_common.h"]
 FLAGS = ["-O3", "-ffp-contract=off", "-fPIC", "-shared"]
 DIR_MODE = 0o700
 SLOWER = "the torch paths run instead, which are slower (see the README's Performance section)"

@@ -38,6 +38,8 @@ enum { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 #include <immintrin.h>
 #include <omp.h>
 
+#include "avx2_common.h"
+
 int gguf_matmul_available(void) { return 1; }
 
 /* One activation block: its scale, the exact sum of its codes and of each half's (for the codes' offsets and the
@@ -190,7 +192,8 @@ static int64_t row_bytes_of(int type, int64_t k) {
  * become 16 bytes). Columns past N are zeros. Every (column, row) pair sees the same float operations in the same
  * order on every path, for any number of rows: the same bits, and batch invariance. */
 
-#define GROUP 16 /* columns per group */
+#define GROUP 16     /* columns per group */
+#define ROW_CHUNK 64 /* rows per pass over a group's weights: their accumulators stay in L1 */
 
 static inline int is_k(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
 
@@ -207,7 +210,11 @@ static inline int64_t packed_unit_bytes(int type) {
     }
 }
 
-static inline int64_t code_bytes(int type) { return type == Q8_0 ? 512 : 256 + (type == Q5_0 || type == Q5_K ? 64 : type == Q6_K ? 128 : 0); }
+/* bytes of one sub-block's codes: 4-bit part, then the fifth bits or Q6_K's 2-bit plane; Q8_0's bytes */
+static inline int64_t code_bytes(int type) {
+    if (type == Q8_0) return 512;
+    return 256 + (type == Q5_0 || type == Q5_K ? 64 : type == Q6_K ? 128 : 0);
+}
 
 /* --- repacking (plain C, once at load) --- */
 
@@ -321,6 +328,8 @@ int gguf_repack(int type, const uint8_t *w, int64_t n, int64_t k, uint8_t *out, 
 /* --- the vectors: 16 lanes, one register on AVX-512, two halves on AVX2 --- */
 
 #if defined(WITH_VNNI)
+#include "avx512_common.h"
+
 typedef __m512i ivec;
 typedef __m512 fvec;
 static inline ivec iv_load(const uint8_t *p) { return _mm512_loadu_si512(p); }
@@ -342,6 +351,7 @@ static inline ivec iv_dot(ivec acc, ivec u, int32_t x4) { return _mm512_dpbusd_e
 static inline ivec iv_dot_signed(ivec acc, ivec u, int32_t x4) { return iv_dot(acc, u, x4); }
 #define Q8_0_OFFSET 128
 static inline ivec iv_sub_set1(ivec v, int32_t s) { return _mm512_sub_epi32(v, _mm512_set1_epi32(s)); }
+static inline ivec iv_add(ivec a, ivec b) { return _mm512_add_epi32(a, b); }
 static inline ivec iv_i8_lanes(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 static inline fvec fv_u8_lanes(const uint8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
@@ -354,7 +364,14 @@ static inline fvec fv_mul(fvec a, fvec b) { return _mm512_mul_ps(a, b); }
 static inline fvec fv_sub(fvec a, fvec b) { return _mm512_sub_ps(a, b); }
 static inline fvec fv_fma(fvec a, fvec b, fvec c) { return _mm512_fmadd_ps(a, b, c); }
 static inline void fv_store(float *p, fvec v) { _mm512_storeu_ps(p, v); }
-#define PACKED_ROWS 8 /* 32 registers: 8 int and 8 float accumulators */
+/* 16 lanes to out as float32, or rounded to bf16 (nearest even, NaN kept) */
+static inline void fv_store_out(void *out, fvec v, int float_out) {
+    if (float_out)
+        _mm512_storeu_ps(out, v);
+    else
+        _mm256_storeu_si256((__m256i *)out, to_bf16(v));
+}
+#define ROW_STEP 4 /* rows in flight per decoded sub-block: 8 codes + 4 sums + 4 accumulators of 32 registers */
 #else
 typedef struct {
     __m256i a, b;
@@ -394,28 +411,41 @@ static inline ivec iv_sub_set1(ivec v, int32_t s) {
     __m256i x = _mm256_set1_epi32(s);
     return IV2(_mm256_sub_epi32(v.a, x), _mm256_sub_epi32(v.b, x));
 }
+static inline ivec iv_add(ivec x, ivec y) { return IV2(_mm256_add_epi32(x.a, y.a), _mm256_add_epi32(x.b, y.b)); }
 static inline ivec iv_i8_lanes(const uint8_t *p) {
     __m128i v = _mm_loadu_si128((const __m128i *)p);
     return IV2(_mm256_cvtepi8_epi32(v), _mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
 }
 static inline fvec fv_u8_lanes(const uint8_t *p) {
     __m128i v = _mm_loadu_si128((const __m128i *)p);
-    return FV2(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))));
+    __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+    return FV2(lo, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))));
 }
 static inline fvec fv_fp16(const uint8_t *p) {
-    return FV2(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16))));
+    __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    return FV2(lo, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16))));
 }
 static inline fvec fv_zero(void) { return FV2(_mm256_setzero_ps(), _mm256_setzero_ps()); }
 static inline fvec fv_set1(float f) { return FV2(_mm256_set1_ps(f), _mm256_set1_ps(f)); }
 static inline fvec fv_cvt(ivec v) { return FV2(_mm256_cvtepi32_ps(v.a), _mm256_cvtepi32_ps(v.b)); }
 static inline fvec fv_mul(fvec x, fvec y) { return FV2(_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)); }
 static inline fvec fv_sub(fvec x, fvec y) { return FV2(_mm256_sub_ps(x.a, y.a), _mm256_sub_ps(x.b, y.b)); }
-static inline fvec fv_fma(fvec x, fvec y, fvec z) { return FV2(_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)); }
+static inline fvec fv_fma(fvec x, fvec y, fvec z) {
+    return FV2(_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b));
+}
 static inline void fv_store(float *p, fvec v) {
     _mm256_storeu_ps(p, v.a);
     _mm256_storeu_ps(p + 8, v.b);
 }
-#define PACKED_ROWS 4 /* 16 registers */
+static inline void fv_store_out(void *out, fvec v, int float_out) {
+    if (float_out) {
+        fv_store(out, v);
+    } else {
+        _mm_storeu_si128((__m128i *)out, to_bf16_8(v.a));
+        _mm_storeu_si128((__m128i *)out + 1, to_bf16_8(v.b));
+    }
+}
+#define ROW_STEP 2 /* 16 registers, each vector two of them */
 #endif
 
 /* --- the product: a group of 16 columns against R rows --- */
@@ -436,90 +466,102 @@ static inline int32_t four(const xblock *xb, int g) {
     return v;
 }
 
-/* one sub-block (32 weights of 16 columns) against R rows: the exact int32 sums per (row, column); Q6_K's two
- * halves (elements 0-15 and 16-31) apart, in `half`, for their scales */
-ALWAYS_INLINE void sub_block_sums(int type, const uint8_t *codes, const xblock *const *xb, ivec *sum, ivec *half,
-                                  const int R) {
-    for (int r = 0; r < R; r++) sum[r] = half[r] = iv_zero();
-    for (int g = 0; g < 8; g++) {
-        ivec u = packed_vector(type, codes, g);
-        if (type == Q6_K && g == 4)
-            for (int r = 0; r < R; r++) {
-                half[r] = sum[r];
-                sum[r] = iv_zero();
-            }
-        for (int r = 0; r < R; r++)
-            sum[r] = type == Q8_0 ? iv_dot_signed(sum[r], u, four(xb[r], g)) : iv_dot(sum[r], u, four(xb[r], g));
+/* What a sub-block of one group needs besides its codes: the float factors per column, shared by the rows */
+typedef struct {
+    fvec scale, scale_hi, min; /* Q6_K: scale for elements 0-15, scale_hi for 16-31; min: Q4_K / Q5_K */
+} factors;
+
+/* R rows' update by one sub-block: the exact int32 sums of the decoded vectors against each row's block, then one
+ * float step per row (K-quants' minimums in `mins`). Q6_K's halves (elements 0-15, 16-31) are summed apart. */
+ALWAYS_INLINE void rows_update(int type, const ivec *vec, factors f, const xblock *const *xb, fvec *acc, fvec *mins,
+                               const int R) {
+    ivec sum[4], half[4];
+    if (R == 1) { /* one row: two chains of dot products (each waits on the last), joined exactly */
+        ivec chain[2][2] = {{iv_zero(), iv_zero()}, {iv_zero(), iv_zero()}};
+        for (int g = 0; g < 8; g++) {
+            ivec *c = &chain[g / 4][g % 2];
+            *c = type == Q8_0 ? iv_dot_signed(*c, vec[g], four(xb[0], g)) : iv_dot(*c, vec[g], four(xb[0], g));
+        }
+        ivec lo = iv_add(chain[0][0], chain[0][1]), hi = iv_add(chain[1][0], chain[1][1]);
+        half[0] = lo;
+        sum[0] = type == Q6_K ? hi : iv_add(lo, hi);
+    } else {
+        for (int r = 0; r < R; r++) sum[r] = half[r] = iv_zero();
+        for (int g = 0; g < 8; g++) {
+            if (type == Q6_K && g == 4)
+                for (int r = 0; r < R; r++) {
+                    half[r] = sum[r];
+                    sum[r] = iv_zero();
+                }
+            for (int r = 0; r < R; r++)
+                sum[r] = type == Q8_0 ? iv_dot_signed(sum[r], vec[g], four(xb[r], g))
+                                      : iv_dot(sum[r], vec[g], four(xb[r], g));
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        fvec xd = fv_set1(xb[r]->d);
+        if (type == Q4_K || type == Q5_K) {
+            acc[r] = fv_fma(fv_cvt(sum[r]), fv_mul(f.scale, xd), acc[r]);
+            mins[r] = fv_fma(f.min, fv_set1(xb[r]->d * (float)xb[r]->sum), mins[r]);
+        } else if (type == Q6_K) {
+            ivec lo = iv_sub_set1(half[r], 32 * xb[r]->halves[0]);
+            ivec hi = iv_sub_set1(sum[r], 32 * xb[r]->halves[1]);
+            acc[r] = fv_fma(fv_cvt(lo), fv_mul(f.scale, xd), acc[r]);
+            acc[r] = fv_fma(fv_cvt(hi), fv_mul(f.scale_hi, xd), acc[r]);
+        } else {
+            int offset = type == Q4_0 ? 8 : type == Q5_0 ? 16 : Q8_0_OFFSET;
+            ivec total = offset ? iv_sub_set1(sum[r], offset * xb[r]->sum) : sum[r];
+            acc[r] = fv_fma(fv_cvt(total), fv_mul(f.scale, xd), acc[r]);
+        }
     }
 }
 
-/* The group's 16 columns against R rows (row r's blocks at x + r * nb), into res[r] (16 floats each). */
-ALWAYS_INLINE void packed_tile(int type, const uint8_t *w, const xblock *x, int64_t nb, float *res, const int R) {
+/* The group's 16 columns against `rows` rows (<= ROW_CHUNK; row r's blocks at x + r * nb) into res[r]. Block by
+ * block: each sub-block's codes are decoded once for all the rows, and the weights stream from memory while the
+ * rows compute (the accumulators live in L1). */
+ALWAYS_INLINE void packed_group(int type, const uint8_t *w, const xblock *x, int64_t nb, int64_t rows, fvec *res) {
     const int S = is_k(type) ? 8 : 1; /* sub-blocks per unit */
     const int64_t unit = packed_unit_bytes(type);
-    fvec acc[PACKED_ROWS], mins[PACKED_ROWS];
-    for (int r = 0; r < R; r++) acc[r] = mins[r] = fv_zero();
+    fvec mins[ROW_CHUNK];
+    for (int64_t r = 0; r < rows; r++) res[r] = mins[r] = fv_zero();
     for (int64_t u = 0; u < nb / S; u++) {
         const uint8_t *blk = w + u * unit;
         fvec d = fv_fp16(blk);
         const uint8_t *codes = blk + (type == Q4_K || type == Q5_K ? 320 : type == Q6_K ? 288 : 32);
         for (int j = 0; j < S; j++) {
-            const xblock *xb[PACKED_ROWS];
-            for (int r = 0; r < R; r++) xb[r] = x + r * nb + u * S + j;
-            ivec sum[PACKED_ROWS], half[PACKED_ROWS];
-            sub_block_sums(type, codes + j * code_bytes(type), xb, sum, half, R);
+            factors f = {d, d, d};
             if (type == Q4_K || type == Q5_K) {
-                fvec scale = fv_mul(d, fv_u8_lanes(blk + 64 + 16 * j));
-                fvec min = fv_mul(fv_fp16(blk + 32), fv_u8_lanes(blk + 192 + 16 * j));
-                for (int r = 0; r < R; r++) {
-                    acc[r] = fv_fma(fv_cvt(sum[r]), fv_mul(scale, fv_set1(xb[r]->d)), acc[r]);
-                    mins[r] = fv_fma(min, fv_set1(xb[r]->d * (float)xb[r]->sum), mins[r]);
-                }
-            } else if (type == Q6_K) { /* each half's int8 scale folded into the float factor, shared by the rows */
-                fvec scale_lo = fv_mul(d, fv_cvt(iv_i8_lanes(blk + 32 + 16 * j)));
-                fvec scale_hi = fv_mul(d, fv_cvt(iv_i8_lanes(blk + 160 + 16 * j)));
-                for (int r = 0; r < R; r++) {
-                    fvec xd = fv_set1(xb[r]->d);
-                    ivec lo = iv_sub_set1(half[r], 32 * xb[r]->halves[0]);
-                    ivec hi = iv_sub_set1(sum[r], 32 * xb[r]->halves[1]);
-                    acc[r] = fv_fma(fv_cvt(lo), fv_mul(scale_lo, xd), acc[r]);
-                    acc[r] = fv_fma(fv_cvt(hi), fv_mul(scale_hi, xd), acc[r]);
-                }
-            } else {
-                int offset = type == Q4_0 ? 8 : type == Q5_0 ? 16 : Q8_0_OFFSET;
-                for (int r = 0; r < R; r++) {
-                    ivec total = offset ? iv_sub_set1(sum[r], offset * xb[r]->sum) : sum[r];
-                    acc[r] = fv_fma(fv_cvt(total), fv_mul(d, fv_set1(xb[r]->d)), acc[r]);
-                }
+                f.scale = fv_mul(d, fv_u8_lanes(blk + 64 + 16 * j));
+                f.min = fv_mul(fv_fp16(blk + 32), fv_u8_lanes(blk + 192 + 16 * j));
+            } else if (type == Q6_K) { /* each half's int8 scale folded into the float factor */
+                f.scale = fv_mul(d, fv_cvt(iv_i8_lanes(blk + 32 + 16 * j)));
+                f.scale_hi = fv_mul(d, fv_cvt(iv_i8_lanes(blk + 160 + 16 * j)));
+            }
+            ivec vec[8];
+            for (int g = 0; g < 8; g++) vec[g] = packed_vector(type, codes + j * code_bytes(type), g);
+            int64_t r = 0;
+            for (; r + ROW_STEP <= rows; r += ROW_STEP) {
+                const xblock *xb[ROW_STEP];
+                for (int i = 0; i < ROW_STEP; i++) xb[i] = x + (r + i) * nb + u * S + j;
+                rows_update(type, vec, f, xb, res + r, mins + r, ROW_STEP);
+            }
+            for (; r < rows; r++) {
+                const xblock *xb = x + r * nb + u * S + j;
+                rows_update(type, vec, f, &xb, res + r, mins + r, 1);
             }
         }
     }
-    for (int r = 0; r < R; r++) fv_store(res + GROUP * r, fv_sub(acc[r], mins[r]));
+    for (int64_t r = 0; r < rows; r++) res[r] = fv_sub(res[r], mins[r]);
 }
 
-ALWAYS_INLINE void typed_packed_tile(int type, const uint8_t *w, const xblock *x, int64_t nb, float *res, int rows) {
-    switch (rows) {
-        case 1: packed_tile(type, w, x, nb, res, 1); break;
-        case 2: packed_tile(type, w, x, nb, res, 2); break;
-        case 3: packed_tile(type, w, x, nb, res, 3); break;
-#if PACKED_ROWS == 8
-        case 4: packed_tile(type, w, x, nb, res, 4); break;
-        case 5: packed_tile(type, w, x, nb, res, 5); break;
-        case 6: packed_tile(type, w, x, nb, res, 6); break;
-        case 7: packed_tile(type, w, x, nb, res, 7); break;
-#endif
-        default: packed_tile(type, w, x, nb, res, PACKED_ROWS); break;
-    }
-}
-
-static void any_packed_tile(int type, const uint8_t *w, const xblock *x, int64_t nb, float *res, int rows) {
+static void any_packed_group(int type, const uint8_t *w, const xblock *x, int64_t nb, int64_t rows, fvec *res) {
     switch (type) {
-        case Q4_0: typed_packed_tile(Q4_0, w, x, nb, res, rows); break;
-        case Q5_0: typed_packed_tile(Q5_0, w, x, nb, res, rows); break;
-        case Q8_0: typed_packed_tile(Q8_0, w, x, nb, res, rows); break;
-        case Q4_K: typed_packed_tile(Q4_K, w, x, nb, res, rows); break;
-        case Q5_K: typed_packed_tile(Q5_K, w, x, nb, res, rows); break;
-        default: typed_packed_tile(Q6_K, w, x, nb, res, rows); break;
+        case Q4_0: packed_group(Q4_0, w, x, nb, rows, res); break;
+        case Q5_0: packed_group(Q5_0, w, x, nb, rows, res); break;
+        case Q8_0: packed_group(Q8_0, w, x, nb, rows, res); break;
+        case Q4_K: packed_group(Q4_K, w, x, nb, rows, res); break;
+        case Q5_K: packed_group(Q5_K, w, x, nb, rows, res); break;
+        default: packed_group(Q6_K, w, x, nb, rows, res); break;
     }
 }
 
@@ -531,21 +573,29 @@ int gguf_matmul(const void *xq, int64_t m, int64_t k, int type, const uint8_t *w
     const xblock *x = xq;
     int64_t nb = k / 32, groups = (n + GROUP - 1) / GROUP;
     int64_t group_bytes = nb / (is_k(type) ? 8 : 1) * packed_unit_bytes(type);
+    size_t elem = float_out ? sizeof(float) : sizeof(uint16_t);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t g = 0; g < groups; g++) {
-        float res[PACKED_ROWS * GROUP];
+        fvec res[ROW_CHUNK];
         int64_t c0 = GROUP * g, cols = n - c0 < GROUP ? n - c0 : GROUP;
-        for (int64_t r0 = 0; r0 < m; r0 += PACKED_ROWS) {
-            int rows = m - r0 < PACKED_ROWS ? (int)(m - r0) : PACKED_ROWS;
-            any_packed_tile(type, w + g * group_bytes, x + r0 * nb, nb, res, rows);
-            for (int r = 0; r < rows; r++)
-                for (int64_t c = 0; c < cols; c++) {
-                    int64_t at = (r0 + r) * ldo + c0 + c;
-                    if (float_out)
-                        ((float *)out)[at] = res[GROUP * r + c];
-                    else
-                        ((uint16_t *)out)[at] = float_to_bf16(res[GROUP * r + c]);
+        for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK) {
+            int64_t rows = m - r0 < ROW_CHUNK ? m - r0 : ROW_CHUNK;
+            any_packed_group(type, w + g * group_bytes, x + r0 * nb, nb, rows, res);
+            for (int64_t r = 0; r < rows; r++) {
+                char *at = (char *)out + ((r0 + r) * ldo + c0) * elem;
+                if (cols == GROUP) {
+                    fv_store_out(at, res[r], float_out);
+                    continue;
                 }
+                float lanes[GROUP]; /* the last, partial group */
+                fv_store(lanes, res[r]);
+                for (int64_t c = 0; c < cols; c++) {
+                    if (float_out)
+                        ((float *)at)[c] = lanes[c];
+                    else
+                        ((uint16_t *)at)[c] = float_to_bf16(lanes[c]);
+                }
+            }
         }
     }
     return 0;
