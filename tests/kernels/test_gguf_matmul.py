@@ -20,7 +20,7 @@ XBLOCK = ops.GGUF_XBLOCK_BYTES
 def kernel(x: torch.Tensor, raw: torch.Tensor, t: int, k: int) -> torch.Tensor:
     """The C product in float32, on the file's blocks regrouped for it."""
     out = torch.empty(x.shape[0], raw.shape[0])
-    ops.gguf_matmul(ops.gguf_quantize_rows(x.to(torch.bfloat16)), k, t, ops.gguf_repack(raw, t, k), raw.shape[0], out)
+    ops.gguf_matmul(x.to(torch.bfloat16), t, ops.gguf_repack(raw, t, k), raw.shape[0], out)
     return out
 
 
@@ -64,28 +64,28 @@ def test_a_rows_result_does_not_depend_on_the_batch(t: T) -> None:
 
 def test_bf16_output_is_the_float32_output_rounded() -> None:
     raw, k = weights(T.Q5_0)
-    xq = ops.gguf_quantize_rows(activations(3, k).to(torch.bfloat16))
+    x = activations(3, k).to(torch.bfloat16)
     packed = ops.gguf_repack(raw, int(T.Q5_0), k)
     wide, narrow = torch.empty(3, 48), torch.empty(3, 48, dtype=torch.bfloat16)
-    ops.gguf_matmul(xq, k, int(T.Q5_0), packed, 48, wide)
-    ops.gguf_matmul(xq, k, int(T.Q5_0), packed, 48, narrow)
+    ops.gguf_matmul(x, int(T.Q5_0), packed, 48, wide)
+    ops.gguf_matmul(x, int(T.Q5_0), packed, 48, narrow)
     assert torch.equal(narrow, wide.to(torch.bfloat16))
 
 
 def test_a_part_writes_only_its_columns_of_a_wider_output() -> None:
     raw, k = weights(T.Q4_K)
-    xq = ops.gguf_quantize_rows(activations(2, k).to(torch.bfloat16))
     out = torch.full((2, 60), 7.0)
-    ops.gguf_matmul(xq, k, int(T.Q4_K), ops.gguf_repack(raw, int(T.Q4_K), k), 48, out[:, 5:])
+    ops.gguf_matmul(
+        activations(2, k).to(torch.bfloat16), int(T.Q4_K), ops.gguf_repack(raw, int(T.Q4_K), k), 48, out[:, 5:]
+    )
     assert (out[:, :5] == 7).all() and (out[:, 53:] == 7).all()
     assert torch.equal(out[:, 5:53], kernel(activations(2, k), raw, int(T.Q4_K), k))
 
 
 def test_unsupported_layouts_are_refused() -> None:
     raw, _ = weights(T.Q4_K)
-    xq = ops.gguf_quantize_rows(activations(1, 96).to(torch.bfloat16))
     with pytest.raises(ValueError, match="not a layout"):  # K-quants need whole 256-weight blocks
-        ops.gguf_matmul(xq, 96, int(T.Q4_K), raw, 48, torch.empty(1, 48))
+        ops.gguf_matmul(activations(1, 96).to(torch.bfloat16), int(T.Q4_K), raw, 48, torch.empty(1, 48))
     with pytest.raises(ValueError, match="no packed layout"):
         ops.gguf_repack(raw, int(T.Q4_K), 96)
     with pytest.raises(ValueError, match="no packed layout"):
@@ -115,6 +115,15 @@ def test_the_avx2_build_gives_the_same_bits(tmp_path: Path) -> None:
         assert avx2.gguf_repack(int(t), raw.data_ptr(), 48, k, w2.data_ptr(), 2) == 0
         assert torch.equal(w, w2)  # one layout for both paths
         mine, theirs = torch.empty(6, 48), torch.empty(6, 48)
-        ops.gguf_matmul(xq, k, int(t), w, 48, mine)
-        assert avx2.gguf_matmul(xq.data_ptr(), 6, k, int(t), w.data_ptr(), 48, theirs.data_ptr(), 48, 1, 2) == 0
+        ops.gguf_matmul(x, int(t), w, 48, mine)
+        assert avx2.gguf_matmul(x.data_ptr(), k, 6, k, int(t), w.data_ptr(), 48, theirs.data_ptr(), 48, 1, 2) == 0
         assert torch.equal(mine, theirs), t.name
+
+
+def test_input_rows_may_be_strided() -> None:
+    raw, k = weights(T.Q8_0)
+    wide = activations(4, 2 * k).to(torch.bfloat16)
+    packed, out, expected = ops.gguf_repack(raw, int(T.Q8_0), k), torch.empty(4, 48), torch.empty(4, 48)
+    ops.gguf_matmul(wide[:, k:], int(T.Q8_0), packed, 48, out)
+    ops.gguf_matmul(wide[:, k:].contiguous(), int(T.Q8_0), packed, 48, expected)
+    assert torch.equal(out, expected)

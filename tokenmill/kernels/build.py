@@ -59,7 +59,7 @@ SIGNATURES: dict[str, tuple[CType | None, list[CType]]] = {
     "int8_matmul": (_INT, [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _INT, _INT]),
     "gguf_matmul_available": (_INT, []),
     "gguf_quantize_rows": (_INT, [_PTR, _I64, _I64, _I64, _PTR, _INT]),
-    "gguf_matmul": (_INT, [_PTR, _I64, _I64, _INT, _PTR, _I64, _PTR, _I64, _INT, _INT]),
+    "gguf_matmul": (_INT, [_PTR, _I64, _I64, _I64, _INT, _PTR, _I64, _PTR, _I64, _INT, _INT]),
     "gguf_packed_bytes": (_I64, [_INT, _I64, _I64]),
     "gguf_repack": (_INT, [_INT, _PTR, _I64, _I64, _PTR, _INT]),
     "paged_attention_available": (_INT, []),

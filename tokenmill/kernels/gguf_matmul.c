@@ -19,6 +19,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kernels.h"
@@ -565,16 +566,22 @@ static void any_packed_group(int type, const uint8_t *w, const xblock *x, int64_
     }
 }
 
-/* xq: M rows of K / 32 activation blocks (gguf_quantize_rows); w: N columns repacked by gguf_repack; out: (M, ldo)
- * bf16, or float32 if float_out, its columns [0, N) written. Returns 0, or -1 for a type or width it does not take. */
-int gguf_matmul(const void *xq, int64_t m, int64_t k, int type, const uint8_t *w, int64_t n, void *out,
-                       int64_t ldo, int float_out, int threads) {
+/* x: M rows of K bf16 inputs, x_stride apart; w: N columns repacked by gguf_repack; out: (M, ldo) bf16, or float32
+ * if float_out, its columns [0, N) written. The rows are quantised first (as gguf_quantize_rows does), into a
+ * scratch of M * K / 32 blocks. Returns 0, -1 for a type or width it does not take, -2 without memory. */
+int gguf_matmul(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, int type, const uint8_t *w, int64_t n,
+                void *out, int64_t ldo, int float_out, int threads) {
     if (gguf_packed_bytes(type, n, k) < 0) return -1;
-    const xblock *x = xq;
     int64_t nb = k / 32, groups = (n + GROUP - 1) / GROUP;
+    xblock *x = malloc((size_t)(m * nb) * sizeof *x + 64);
+    if (x == NULL) return -2;
     int64_t group_bytes = nb / (is_k(type) ? 8 : 1) * packed_unit_bytes(type);
     size_t elem = float_out ? sizeof(float) : sizeof(uint16_t);
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; r++) quantize_row(x_in + r * x_stride, k, x + r * nb);
+#pragma omp for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
         fvec res[ROW_CHUNK];
         int64_t c0 = GROUP * g, cols = n - c0 < GROUP ? n - c0 : GROUP;
@@ -598,6 +605,8 @@ int gguf_matmul(const void *xq, int64_t m, int64_t k, int type, const uint8_t *w
             }
         }
     }
+    }
+    free(x);
     return 0;
 }
 
@@ -615,9 +624,9 @@ int gguf_repack(int type, const uint8_t *w, int64_t n, int64_t k, uint8_t *out, 
     (void)type, (void)w, (void)n, (void)k, (void)out, (void)threads;
     return -1;
 }
-int gguf_matmul(const void *xq, int64_t m, int64_t k, int type, const uint8_t *w, int64_t n, void *out, int64_t ldo,
-                int float_out, int threads) {
-    (void)xq, (void)m, (void)k, (void)type, (void)w, (void)n, (void)out, (void)ldo, (void)float_out, (void)threads;
+int gguf_matmul(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, int type, const uint8_t *w, int64_t n,
+                void *out, int64_t ldo, int float_out, int threads) {
+    (void)x, (void)x_stride, (void)m, (void)k, (void)type, (void)w, (void)n, (void)out, (void)ldo, (void)float_out, (void)threads;
     return -1;
 }
 #endif

@@ -37,8 +37,8 @@ int gguf_matmul_available(void);
 int gguf_quantize_rows(const uint16_t *x, int64_t stride, int64_t m, int64_t k, void *out, int threads);
 int64_t gguf_packed_bytes(int type, int64_t n, int64_t k);
 int gguf_repack(int type, const uint8_t *w, int64_t n, int64_t k, uint8_t *out, int threads);
-int gguf_matmul(const void *xq, int64_t m, int64_t k, int type, const uint8_t *w, int64_t n, void *out, int64_t ldo,
-                int float_out, int threads);
+int gguf_matmul(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, int type, const uint8_t *w, int64_t n,
+                void *out, int64_t ldo, int float_out, int threads);
 
 int paged_attention_available(void);
 int paged_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,

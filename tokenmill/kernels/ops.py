@@ -224,16 +224,16 @@ def gguf_repack(weight: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
     return out
 
 
-def gguf_matmul(xq: torch.Tensor, k: int, ggml_type: int, packed: torch.Tensor, n: int, out: torch.Tensor) -> None:
-    """xq: gguf_quantize_rows' blocks of M rows; packed: gguf_repack's regrouping of N rows of K weights of
-    `ggml_type`; out: (M, ≥N) bf16 or float32 with contiguous rows, its first N columns written (a column slice of a
-    wider output is fine)."""
-    m = xq.shape[0]
-    if out.stride(-1) != 1 or out.shape[0] != m or out.shape[1] < n:
-        raise ValueError("gguf_matmul: out must be (M, >= N) with contiguous rows")
-    float_out = int(out.dtype == torch.float32)
+def gguf_matmul(x: torch.Tensor, ggml_type: int, packed: torch.Tensor, n: int, out: torch.Tensor) -> None:
+    """x: (M, K) bf16 with contiguous rows @ the N rows of K weights of `ggml_type` that gguf_repack regrouped into
+    `packed` → out: (M, ≥N) bf16 or float32 with contiguous rows, its first N columns written (a column slice of a
+    wider output is fine). The rows are quantised to int8 per 32 inside (gguf_quantize_rows' arithmetic)."""
+    m, k = x.shape
+    if x.stride(-1) != 1 or out.stride(-1) != 1 or out.shape[0] != m or out.shape[1] < n:
+        raise ValueError("gguf_matmul: x (M, K) and out (M, >= N) must have contiguous rows")
     status = _lib().gguf_matmul(
-        xq.data_ptr(),
+        x.data_ptr(),
+        x.stride(0),
         m,
         k,
         ggml_type,
@@ -241,8 +241,10 @@ def gguf_matmul(xq: torch.Tensor, k: int, ggml_type: int, packed: torch.Tensor, 
         n,
         out.data_ptr(),
         out.stride(0),
-        float_out,
+        int(out.dtype == torch.float32),
         torch.get_num_threads(),
     )
+    if status == -2:
+        raise MemoryError(f"gguf_matmul: no memory to quantise ({m}, {k}) inputs")
     if status:
         raise ValueError(f"gguf_matmul: ggml type {ggml_type} with rows of {k} is not a layout this kernel takes")

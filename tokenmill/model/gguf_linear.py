@@ -82,10 +82,11 @@ class GgufLinear(nn.Module):
         out = torch.empty(rows.shape[0], self.out_features, dtype=dtype)
         if not rows.shape[0]:
             return out
-        xq = ops.gguf_quantize_rows(rows)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
         at = 0
         for i, (t, n) in enumerate(zip(self.types, self.rows)):
-            ops.gguf_matmul(xq, self.k, t, self._part(i), n, out[:, at:])
+            ops.gguf_matmul(rows, t, self._part(i), n, out[:, at:])
             at += n
         return out
 
