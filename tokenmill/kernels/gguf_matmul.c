@@ -194,6 +194,10 @@ static int64_t row_bytes_of(int type, int64_t k) {
  * order on every path, for any number of rows: the same bits, and batch invariance. */
 
 #define GROUP 16     /* columns per group */
+/* Bytes ahead of the block in use that each thread asks the memory for: the weights are one sequential stream per
+ * thread, and without the hint the rows' compute and the stream alternate rather than overlap (with it, 16 rows of
+ * the 270M's LM head took 11 ms instead of 14; 4 to 32 KiB measured alike) */
+#define PREFETCH_AHEAD 8192
 #define ROW_CHUNK 64 /* rows per pass over a group's weights: their accumulators stay in L1 */
 
 static inline int is_k(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
@@ -527,6 +531,7 @@ ALWAYS_INLINE void packed_group(int type, const uint8_t *w, const xblock *x, int
     for (int64_t r = 0; r < rows; r++) res[r] = mins[r] = fv_zero();
     for (int64_t u = 0; u < nb / S; u++) {
         const uint8_t *blk = w + u * unit;
+        for (int64_t at = 0; at < unit; at += 64) _mm_prefetch((const char *)blk + PREFETCH_AHEAD + at, _MM_HINT_T0);
         fvec d = fv_fp16(blk);
         const uint8_t *codes = blk + (type == Q4_K || type == Q5_K ? 320 : type == Q6_K ? 288 : 32);
         for (int j = 0; j < S; j++) {
