@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
+from tests.kernels.avx2_build import RUNS_HERE, avx2_library
 from tests.model.gguf_blocks import TYPES, activations, weights
-from tokenmill.kernels import build, ops
+from tokenmill.kernels import ops
 from tokenmill.model.gguf_quant import gguf_matmul, quantize_activations
 
 pytestmark = pytest.mark.skipif(not ops.gguf_matmul_available(), reason="the GGUF kernel is not built here")
@@ -92,17 +92,10 @@ def test_unsupported_layouts_are_refused() -> None:
         ops.gguf_repack(raw, int(T.F16), 96)
 
 
-@pytest.mark.skipif(not {b"avx2", b"fma", b"f16c"} <= set(build.cpu_flags().split()), reason="no AVX2 here")
+@pytest.mark.skipif(not RUNS_HERE, reason="the AVX2 build cannot run here")
 def test_the_avx2_build_gives_the_same_bits(tmp_path: Path) -> None:
     """Both paths compute the same integers exactly and the same float operations in the same order."""
-    target = tmp_path / "avx2.so"
-    try:
-        build.compile_kernels(target, march="haswell")
-    except (OSError, subprocess.CalledProcessError):
-        pytest.skip("no compiler that builds for -march=haswell")
-    avx2 = build.load(target)
-    if not avx2.gguf_matmul_available():
-        pytest.skip("no OpenMP: the GGUF kernel is not compiled in")
+    avx2 = avx2_library(tmp_path, "gguf_matmul")
     for t in TYPES:
         raw, k = weights(t)
         x = activations(6, k).to(torch.bfloat16)

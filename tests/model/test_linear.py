@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.kernels import build, ops
+from tests.kernels.avx2_build import RUNS_HERE, avx2_library
+from tokenmill.kernels import ops
 from tokenmill.model.linear import (
     Int4Linear,
     Int8Linear,
@@ -139,20 +140,11 @@ def test_tiled_int8_computes_exactly_the_documented_arithmetic() -> None:
     assert torch.equal(layer(x), expected.to(torch.bfloat16))
 
 
-@pytest.mark.skipif(not {b"avx2", b"fma"} <= set(build.cpu_flags().split()), reason="the AVX2 build cannot run here")
+@pytest.mark.skipif(not RUNS_HERE, reason="the AVX2 build cannot run here")
 def test_the_avx2_build_of_the_int8_matmul_gives_the_same_bits(tmp_path: Path) -> None:
     """The kernel has an AVX-512 and an AVX2 path; whichever this machine compiles natively, the AVX2 build must
     compute the documented arithmetic bit for bit (and so equal the AVX-512 path, tested above where it runs)."""
-    import subprocess
-
-    target = tmp_path / "avx2.so"
-    try:
-        build.compile_kernels(target, march="haswell")
-    except (OSError, subprocess.CalledProcessError):
-        pytest.skip("no compiler that builds for -march=haswell")
-    lib = build.load(target)
-    if not lib.int8_matmul_available():
-        pytest.skip("no OpenMP: the int8 kernel is not compiled in")
+    lib = avx2_library(tmp_path, "int8_matmul")
     assert lib.paged_attention_available() == 0  # AVX2 only, indeed
     w = weight(130, 640, torch.bfloat16)
     q, scale = quantize_int8(w)

@@ -42,7 +42,7 @@ SOURCES = [
     HERE / name for name in ("fused.c", "int8_matmul.c", "gguf_matmul.c", "paged_attention.c", "argmax.c", "gelu.c")
 ]
 KERNELS_H = HERE / "kernels.h"  # the prototypes and limits C and Python share
-HEADERS = [KERNELS_H, HERE / "avx512_common.h", HERE / "avx2_common.h"]
+HEADERS = [KERNELS_H, HERE / "bf16.h", HERE / "avx512_common.h", HERE / "avx2_common.h"]
 FLAGS = ["-O3", "-ffp-contract=off", "-fPIC", "-shared"]
 DIR_MODE = 0o700
 SLOWER = "the torch paths run instead, which are slower (see the README's Performance section)"
@@ -151,7 +151,18 @@ def compile_kernels(
     if openmp is None:
         openmp = compiler.has_openmp(target.parent)
     command = [compiler.command, *FLAGS, f"-march={march}", *(["-fopenmp"] if openmp else [])]
-    subprocess.run([*command, "-o", str(target), *map(str, SOURCES), "-lm"], check=True, capture_output=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".objects-") as scratch:
+        # one compiler per source, all at once (a first start waits on this), then one link
+        objects = [Path(scratch) / f"{source.stem}.o" for source in SOURCES]
+        running = [
+            subprocess.Popen([*command, "-c", str(source), "-o", str(obj)], stderr=subprocess.PIPE)
+            for source, obj in zip(SOURCES, objects)
+        ]
+        errors = [process.communicate()[1] for process in running]  # every compiler waited for, then judged
+        for process, error in zip(running, errors):
+            if process.returncode:
+                raise subprocess.CalledProcessError(process.returncode, process.args, stderr=error)
+        subprocess.run([*command, "-o", str(target), *map(str, objects), "-lm"], check=True, capture_output=True)
     return openmp
 
 

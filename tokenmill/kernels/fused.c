@@ -9,24 +9,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "kernels.h"
 
-typedef uint16_t bf16;
 
-static inline float to_f32(bf16 h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline bf16 to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (bf16)(u >> 16);
-}
 
 #define LANES 16
 
@@ -36,13 +22,13 @@ static float inv_rms(const bf16 *x, int64_t n, float eps) {
     int64_t i = 0;
     for (; i + LANES <= n; i += LANES)
         for (int l = 0; l < LANES; l++) {
-            float v = to_f32(x[i + l]);
+            float v = bf16_to_float(x[i + l]);
             acc[l] += v * v;
         }
     float s = 0.0f;
     for (int l = 0; l < LANES; l++) s += acc[l];
     for (; i < n; i++) {
-        float v = to_f32(x[i]);
+        float v = bf16_to_float(x[i]);
         s += v * v;
     }
     return 1.0f / sqrtf(s / (float)n + eps);
@@ -54,7 +40,7 @@ void rms_norm(const bf16 *x, int64_t stride, const float *factor, bf16 *out, int
         const bf16 *xr = x + r * stride;
         bf16 *o = out + r * dim;
         float inv = inv_rms(xr, dim, eps);
-        for (int64_t i = 0; i < dim; i++) o[i] = to_bf16(to_f32(xr[i]) * inv * factor[i]);
+        for (int64_t i = 0; i < dim; i++) o[i] = float_to_bf16(bf16_to_float(xr[i]) * inv * factor[i]);
     }
 }
 
@@ -66,8 +52,8 @@ void add_rms_norm(const bf16 *residual, const bf16 *y, const float *factor, bf16
         bf16 *o = out + r * dim;
         float inv = inv_rms(yr, dim, eps);
         for (int64_t i = 0; i < dim; i++) {
-            float normed = to_f32(to_bf16(to_f32(yr[i]) * inv * factor[i]));
-            o[i] = to_bf16(to_f32(xr[i]) + normed);
+            float normed = bf16_to_float(float_to_bf16(bf16_to_float(yr[i]) * inv * factor[i]));
+            o[i] = float_to_bf16(bf16_to_float(xr[i]) + normed);
         }
     }
 }
@@ -87,14 +73,14 @@ void norm_rotary(const bf16 *x, int64_t stride, const float *factor, const bf16 
             const float *f = factor + h * dim;
             bf16 *o = out + (r * heads + h) * dim;
             float inv = inv_rms(xh, dim, eps);
-            for (int64_t i = 0; i < dim; i++) normed[i] = to_f32(to_bf16(to_f32(xh[i]) * inv * f[i]));
+            for (int64_t i = 0; i < dim; i++) normed[i] = bf16_to_float(float_to_bf16(bf16_to_float(xh[i]) * inv * f[i]));
             for (int64_t i = 0; i < half; i++) {  /* first half: rolled is the second half */
-                float a = to_f32(to_bf16(normed[i] * to_f32(c[i])));
-                o[i] = to_bf16(a + normed[i + half] * to_f32(s[i]));
+                float a = bf16_to_float(float_to_bf16(normed[i] * bf16_to_float(c[i])));
+                o[i] = float_to_bf16(a + normed[i + half] * bf16_to_float(s[i]));
             }
             for (int64_t i = half; i < dim; i++) {
-                float a = to_f32(to_bf16(normed[i] * to_f32(c[i])));
-                o[i] = to_bf16(a + normed[i - half] * to_f32(s[i]));
+                float a = bf16_to_float(float_to_bf16(normed[i] * bf16_to_float(c[i])));
+                o[i] = float_to_bf16(a + normed[i - half] * bf16_to_float(s[i]));
             }
         }
     }

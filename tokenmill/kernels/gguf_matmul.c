@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "kernels.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && \
@@ -59,20 +60,6 @@ static inline float fp16(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* float32 -> bf16, round to nearest even; NaN stays NaN (quiet) */
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if (f != f) return (uint16_t)((u | 0x400000u) >> 16);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 /* One row (K,) -> K / 32 blocks. Per block: amax = max |x|; not finite -> scale NaN and codes 0 (the row's outputs
  * are NaN, as torch's would be); 0 -> scale 0; else scale amax / 127 and codes round-half-even(x * (127 / amax)). */
