@@ -73,7 +73,8 @@ void norm_rotary(const bf16 *x, int64_t stride, const float *factor, const bf16 
             const float *f = factor + h * dim;
             bf16 *o = out + (r * heads + h) * dim;
             float inv = inv_rms(xh, dim, eps);
-            for (int64_t i = 0; i < dim; i++) normed[i] = bf16_to_float(float_to_bf16(bf16_to_float(xh[i]) * inv * f[i]));
+            for (int64_t i = 0; i < dim; i++)
+                normed[i] = bf16_to_float(float_to_bf16(bf16_to_float(xh[i]) * inv * f[i]));
             for (int64_t i = 0; i < half; i++) {  /* first half: rolled is the second half */
                 float a = bf16_to_float(float_to_bf16(normed[i] * bf16_to_float(c[i])));
                 o[i] = float_to_bf16(a + normed[i + half] * bf16_to_float(s[i]));

@@ -210,54 +210,74 @@ static inline int64_t code_bytes(int type) {
 
 /* --- repacking (plain C, once at load) --- */
 
-/* the unsigned (or, for Q8_0, signed) code of element e of sub-block j of a file block, and the codes' offsets */
-static int file_code(int type, const uint8_t *blk, int j, int e) {
+/* The 32 codes of sub-block j of a file block, unsigned with the type's offset (Q8_0: signed, as bytes). One switch
+ * per sub-block, not per element: the regrouping is part of every start. */
+static void file_codes(int type, const uint8_t *blk, int j, uint8_t *codes) {
     switch (type) {
-        case Q4_0: return e < 16 ? blk[2 + e] & 0x0f : blk[2 + e - 16] >> 4;
+        case Q4_0:
         case Q5_0: {
-            uint32_t qh;
-            memcpy(&qh, blk + 2, 4);
-            return (e < 16 ? blk[6 + e] & 0x0f : blk[6 + e - 16] >> 4) | (int)((qh >> e) & 1) << 4;
+            const uint8_t *qs = blk + (type == Q5_0 ? 6 : 2);
+            uint32_t qh = 0;
+            if (type == Q5_0) memcpy(&qh, blk + 2, 4);
+            for (int e = 0; e < 16; e++) {
+                codes[e] = (uint8_t)((qs[e] & 0x0f) | ((qh >> e) & 1) << 4);
+                codes[e + 16] = (uint8_t)((qs[e] >> 4) | ((qh >> (e + 16)) & 1) << 4);
+            }
+            return;
         }
-        case Q8_0: return (int8_t)blk[2 + e];
+        case Q8_0: memcpy(codes, blk + 2, 32); return;
         case Q4_K:
         case Q5_K: {
             const uint8_t *qs = blk + (type == Q5_K ? 48 : 16) + 32 * (j / 2);
-            int lo = j & 1 ? qs[e] >> 4 : qs[e] & 0x0f;
-            return type == Q5_K ? lo | ((blk[16 + e] >> j) & 1) << 4 : lo;
+            for (int e = 0; e < 32; e++) {
+                int lo = j & 1 ? qs[e] >> 4 : qs[e] & 0x0f;
+                codes[e] = (uint8_t)(type == Q5_K ? lo | ((blk[16 + e] >> j) & 1) << 4 : lo);
+            }
+            return;
         }
         default: { /* Q6_K */
             int h = j / 4, q = j % 4;
-            uint8_t l = blk[64 * h + 32 * (q % 2) + e];
-            return (q < 2 ? l & 0x0f : l >> 4) | ((blk[128 + 32 * h + e] >> (2 * q)) & 3) << 4;
+            const uint8_t *ql = blk + 64 * h + 32 * (q % 2), *qh = blk + 128 + 32 * h;
+            for (int e = 0; e < 32; e++)
+                codes[e] = (uint8_t)((q < 2 ? ql[e] & 0x0f : ql[e] >> 4) | ((qh[e] >> (2 * q)) & 3) << 4);
+            return;
         }
     }
 }
 
 /* one sub-block's codes for 16 columns (cols[c]: column c's file block) in the layout above */
 static void repack_codes(int type, const uint8_t *const cols[GROUP], int j, uint8_t *out) {
-    uint8_t vec[8][64];
+    uint8_t codes[GROUP][32], vec[8][64];
+    for (int c = 0; c < GROUP; c++) file_codes(type, cols[c], j, codes[c]);
     for (int g = 0; g < 8; g++)
-        for (int c = 0; c < GROUP; c++)
-            for (int e = 0; e < 4; e++) vec[g][4 * c + e] = (uint8_t)file_code(type, cols[c], j, 4 * g + e);
+        for (int c = 0; c < GROUP; c++) memcpy(&vec[g][4 * c], &codes[c][4 * g], 4);
     if (type == Q8_0) {
         memcpy(out, vec, 512);
         return;
     }
+    const __m256i low = _mm256_set1_epi8(0x0f);
     for (int p = 0; p < 4; p++)
-        for (int i = 0; i < 64; i++) out[64 * p + i] = (uint8_t)((vec[p][i] & 0x0f) | (vec[p + 4][i] & 0x0f) << 4);
+        for (int i = 0; i < 64; i += 32) {
+            __m256i a = _mm256_and_si256(load32(&vec[p][i]), low), b = _mm256_and_si256(load32(&vec[p + 4][i]), low);
+            _mm256_storeu_si256((__m256i *)(out + 64 * p + i), _mm256_or_si256(a, _mm256_slli_epi16(b, 4)));
+        }
     if (type == Q5_0 || type == Q5_K)
-        for (int g = 0; g < 8; g++) {
-            uint64_t bits = 0;
-            for (int i = 0; i < 64; i++) bits |= (uint64_t)((vec[g][i] >> 4) & 1) << i;
+        for (int g = 0; g < 8; g++) { /* bit 4 of each byte, moved to bit 7 and collected */
+            uint64_t lo = (uint32_t)_mm256_movemask_epi8(_mm256_slli_epi16(load32(&vec[g][0]), 3));
+            uint64_t hi = (uint32_t)_mm256_movemask_epi8(_mm256_slli_epi16(load32(&vec[g][32]), 3));
+            uint64_t bits = lo | hi << 32;
             memcpy(out + 256 + 8 * g, &bits, 8);
         }
     if (type == Q6_K)
         for (int h = 0; h < 2; h++)
-            for (int i = 0; i < 64; i++) {
-                int b = 0;
-                for (int v = 0; v < 4; v++) b |= ((vec[4 * h + v][i] >> 4) & 3) << (2 * v);
-                out[256 + 64 * h + i] = (uint8_t)b;
+            for (int i = 0; i < 64; i += 32) { /* bits 4-5 of vectors 4h..4h+3, two bits each */
+                __m256i b = _mm256_setzero_si256();
+                for (int v = 0; v < 4; v++) {
+                    __m256i shifted = _mm256_srli_epi16(load32(&vec[4 * h + v][i]), 4);
+                    __m256i two = _mm256_and_si256(shifted, _mm256_set1_epi8(3));
+                    b = _mm256_or_si256(b, _mm256_slli_epi16(two, 2 * v));
+                }
+                _mm256_storeu_si256((__m256i *)(out + 256 + 64 * h + i), b);
             }
 }
 
@@ -618,7 +638,8 @@ int gguf_repack(int type, const uint8_t *w, int64_t n, int64_t k, uint8_t *out, 
 }
 int gguf_matmul(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, int type, const uint8_t *w, int64_t n,
                 void *out, int64_t ldo, int float_out, int threads) {
-    (void)x, (void)x_stride, (void)m, (void)k, (void)type, (void)w, (void)n, (void)out, (void)ldo, (void)float_out, (void)threads;
+    (void)x, (void)x_stride, (void)m, (void)k, (void)type, (void)w, (void)n, (void)out, (void)ldo, (void)float_out;
+    (void)threads;
     return -1;
 }
 #endif

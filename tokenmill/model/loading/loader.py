@@ -21,6 +21,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -106,9 +107,14 @@ def load_model_files(
     if model_path.is_dir():
         return load_hf_dir(model_path, root, dtype)
     if model_path.is_file():
-        source_id = file_sha256(model_path, root)
         if quantization == "gguf":
-            return load_gguf_native(model_path, dtype, source_id, model_path.stem)
+            # the file's hash (hashlib releases the GIL) runs on the other core while the index and tokenizer build
+            with ThreadPoolExecutor(1) as pool:
+                identity = pool.submit(file_sha256, model_path, root)
+                loaded = load_gguf_native(model_path, dtype, "", model_path.stem)
+                loaded.source_id = identity.result()
+            return loaded
+        source_id = file_sha256(model_path, root)
         return load_gguf(lambda: model_path, root, dtype, source_id, model_path.stem, quantization)
     raise FileNotFoundError(f"model path {path} is neither a GGUF file nor a model directory")
 
