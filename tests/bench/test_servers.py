@@ -64,3 +64,30 @@ def test_server_commands_listen_on_loopback_only() -> None:
     assert peer.argv[:3] == ("/venv/bin/python", "-m", "llama_cpp.server")
     assert peer.argv[peer.argv.index("--host") + 1] == "127.0.0.1"
     assert peer.argv[peer.argv.index("--n_threads") + 1] == "2" and peer.ready_path == "/v1/models"
+
+
+def test_the_peer_is_rebuilt_when_its_cmake_arguments_change(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An existing venv built before AMX was left out (its server segfaults on such CPUs) is rebuilt, once."""
+    import subprocess
+
+    from tokenmill.bench import servers
+
+    python = tmp_path / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("")
+    runs: list[tuple[list[str], str]] = []
+
+    def fake_run(command: list[str], **kwargs: object) -> subprocess.CompletedProcess[bytes]:
+        env = kwargs.get("env")
+        runs.append((command, env["CMAKE_ARGS"] if isinstance(env, dict) else ""))
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(servers, "_imports", lambda python, module: True)
+    monkeypatch.setattr(servers.subprocess, "run", fake_run)
+    monkeypatch.setattr("tokenmill.bench.llama_server.platform.machine", lambda: "x86_64")
+    assert servers.ensure_peer_venv(tmp_path, version="9.9.9") == str(python)
+    [(command, cmake_args)] = runs
+    assert command[-1] == "llama-cpp-python[server]==9.9.9" and "--force-reinstall" in command
+    assert "-mno-amx-tile" in cmake_args and "-DGGML_NATIVE=ON" in cmake_args
+    servers.ensure_peer_venv(tmp_path, version="9.9.9")
+    assert len(runs) == 1  # built alike: nothing to do

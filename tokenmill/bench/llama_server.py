@@ -74,6 +74,12 @@ def cmake_options() -> tuple[str, ...]:
     return CMAKE_OPTIONS + (X86_OPTIONS if platform.machine() in ("x86_64", "AMD64") else ())
 
 
+def peer_cmake_args() -> str:
+    """CMAKE_ARGS for llama-cpp-python's build of the same llama.cpp: native flags, minus AMX on x86-64."""
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    return f'-DGGML_NATIVE=ON -DCMAKE_C_FLAGS="{NO_AMX}" -DCMAKE_CXX_FLAGS="{NO_AMX}"' if x86 else "-DGGML_NATIVE=ON"
+
+
 def llama_server_spec(
     binary: str, port: int, model: str, threads: int, slots: int, ctx_per_slot: int, extra: list[str]
 ) -> ServerSpec:

@@ -92,10 +92,19 @@ def peer_spec(python: str, port: int, model: str, threads: int, n_ctx: int, extr
     return ServerSpec("llama-cpp-python", (*argv, *extra), port, "/v1/models")
 
 
+PEER_STAMP = "tokenmill-cmake-args.txt"  # the CMAKE_ARGS the venv's llama-cpp-python was built with
+
+
 def ensure_peer_venv(venv: Path, version: str = PEER_VERSION, timeout_s: float = 3600) -> str:
-    """The peer's python, creating the venv and building llama-cpp-python (~9 min on 2 cores) if it is missing."""
+    """The peer's python, creating the venv and building llama-cpp-python (~9 min on 2 cores) if it is missing or
+    was built with other CMake arguments. On x86-64 they leave AMX out, as for llama-server (llama_server.py): this
+    llama.cpp's AMX matmul faults on CPUs that report AMX (the server segfaults on its first completion)."""
+    from tokenmill.bench.llama_server import peer_cmake_args
+
     python = venv / "bin" / "python"
-    if python.exists() and _imports(str(python), "llama_cpp.server"):
+    stamp, cmake_args = venv / PEER_STAMP, peer_cmake_args()
+    built_alike = stamp.is_file() and stamp.read_text() == cmake_args
+    if python.exists() and built_alike and _imports(str(python), "llama_cpp.server"):
         return str(python)
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
@@ -104,14 +113,18 @@ def ensure_peer_venv(venv: Path, version: str = PEER_VERSION, timeout_s: float =
         f"building {PEER_PACKAGE.format(version=version)} into {venv} (compiles llama.cpp: minutes); log: {log}",
         flush=True,
     )
+    # rebuilt from source whatever is installed or cached, so the wheel is the one these arguments make
+    pip = [str(python), "-m", "pip", "install", "--force-reinstall", "--no-cache-dir"]
     with log.open("ab") as out:
         subprocess.run(
-            [str(python), "-m", "pip", "install", PEER_PACKAGE.format(version=version)],
+            [*pip, PEER_PACKAGE.format(version=version)],
             stdout=out,
             stderr=subprocess.STDOUT,
             check=True,
             timeout=timeout_s,
+            env={**os.environ, "CMAKE_ARGS": cmake_args},
         )
+    stamp.write_text(cmake_args)
     return str(python)
 
 
