@@ -8,10 +8,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
+from tests.model.gguf_blocks import weights
 from tests.tiny_model import write_tiny_gguf
 from tokenmill.kernels import ops
 from tokenmill.model.causal_lm import CausalLM
-from tokenmill.model.gguf_linear import GgufEmbedding, GgufLinear
+from tokenmill.model.gguf_linear import GgufEmbedding, GgufLinear, GgufWeight
+from tokenmill.model.gguf_quant import gguf_matmul
 from tokenmill.model.linear import prepare_linears
 from tokenmill.model.loading.loader import load_model_files
 from tokenmill.model.registry import build_model
@@ -69,3 +71,13 @@ def test_float_matrices_in_the_file_get_the_int8_path(tmp_path: Path) -> None:
     model = native_model(path, tmp_path / "cache")
     assert not any(isinstance(m, GgufLinear) for m in model.modules())
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())  # all int8 now
+
+
+def test_a_float32_input_is_multiplied_as_its_bfloat16_rounding() -> None:
+    """The layer's parts are in the kernel's layout when it is built: any input dtype goes through it, never through
+    the torch path (which reads the file's layout)."""
+    raw, k = weights(T.Q5_0)
+    layer = GgufLinear([GgufWeight(int(T.Q5_0), raw, k)])
+    x = torch.randn(3, k)
+    assert torch.equal(layer(x), layer(x.to(torch.bfloat16), out_dtype=torch.float32))
+    assert torch.allclose(layer(x), gguf_matmul(x.to(torch.bfloat16), raw, int(T.Q5_0), k), rtol=1e-4, atol=1e-4)

@@ -3,11 +3,12 @@
 A GGUF weight (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) stays in the file's quantisation: the C kernel
 (kernels/gguf_matmul.c) multiplies with its blocks regrouped once at load into 16-column groups (about as many bytes
 per column as the file), and the file's own pages are dropped from the process after that. Without the kernel, the
-torch code of gguf_quant.py computes the same products (slower) from the file's mapped blocks. Either way a row's result does not depend on what else shares
-the batch: the activations are quantised per row and every block's dot product is an exact integer.
+torch code of gguf_quant.py computes the same products (slower) from the file's mapped blocks. Either way a row's
+result does not depend on what else shares the batch: the activations are quantised per row and every block's dot
+product is an exact integer.
 
 A layer may hold several parts (the q, k and v projections stacked into one, each with its file's type): each part
-writes its own columns of one output, from one quantisation of the input.
+writes its own columns of one output.
 """
 
 from __future__ import annotations
@@ -70,8 +71,9 @@ class GgufLinear(nn.Module):
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
         dtype = out_dtype or x.dtype
-        if self.kernel and rows.dtype == torch.bfloat16 and dtype in (torch.bfloat16, torch.float32):
-            out = self._kernel_forward(rows, dtype)
+        if self.kernel:  # its parts are in the kernel's layout; it takes bf16 rows and writes bf16 or float32
+            written = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
+            out = self._kernel_forward(rows.to(torch.bfloat16), written).to(dtype)
         else:
             out = torch.cat(
                 [gguf_quant.gguf_matmul(rows, self._part(i), t, self.k) for i, t in enumerate(self.types)], dim=1
