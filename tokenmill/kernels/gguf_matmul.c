@@ -54,13 +54,6 @@ typedef struct {
 } xblock;
 _Static_assert(sizeof(xblock) == GGUF_XBLOCK_BYTES, "kernels.h states an activation block's size");
 
-static inline float fp16(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-
-
 /* One row (K,) -> K / 32 blocks. Per block: amax = max |x|; not finite -> scale NaN and codes 0 (the row's outputs
  * are NaN, as torch's would be); 0 -> scale 0; else scale amax / 127 and codes round-half-even(x * (127 / amax)). */
 static void quantize_row(const uint16_t *row, int64_t k, xblock *out) {
@@ -99,38 +92,7 @@ int gguf_quantize_rows(const uint16_t *x, int64_t stride, int64_t m, int64_t k, 
     return 0;
 }
 
-/* --- the integer dot products: the only place the two paths differ, and they agree exactly ---------------------- */
-
-/* lanes j = sum over i in [4j, 4j+4) of u[i] * x[i], for u unsigned codes <= 128 (AVX2's vpmaddubsw saturates its
- * int16 pair sums: 2 * 128 * 127 fits) */
-static inline __m256i dot_unsigned(__m256i u, __m256i x) {
-#if defined(WITH_VNNI)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
-#else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
-#endif
-}
-
-/* the same for signed codes w (Q8_0): |w| against x with w's sign (exact for every w, -128 included) */
-static inline __m256i dot_signed(__m256i w, __m256i x) {
-    return dot_unsigned(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
-}
-
 static inline __m256i load32(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
-
-/* 32 bits -> 32 bytes: byte i is `value` where bit i is set, else 0 */
-static inline __m256i bits_to_bytes(uint32_t bits, char value) {
-#if defined(WITH_VNNI)
-    return _mm256_maskz_mov_epi8((__mmask32)bits, _mm256_set1_epi8(value));
-#else
-    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
-                                            3, 3, 3, 3, 3, 3, 3);
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
-    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), spread);
-    __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
-    return _mm256_and_si256(set, _mm256_set1_epi8(value));
-#endif
-}
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
@@ -385,6 +347,29 @@ static inline void fv_store_out(void *out, fvec v, int float_out) {
 }
 #define ROW_STEP 4 /* rows in flight per decoded sub-block: 8 codes + 4 sums + 4 accumulators of 32 registers */
 #else
+/* AVX2: the integer dot products by vpmaddubsw + vpmaddwd. Exact: the int16 pair sums cannot saturate, the
+ * unsigned codes being at most 63 (2 * 128 * 127 would still fit), Q8_0's |w| at most 128 against |x| <= 127. */
+
+/* lanes j = sum over i in [4j, 4j+4) of u[i] * x[i], for unsigned codes u */
+static inline __m256i dot_unsigned(__m256i u, __m256i x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+}
+
+/* the same for signed codes w (Q8_0): |w| against x with w's sign (exact for every w, -128 included) */
+static inline __m256i dot_signed(__m256i w, __m256i x) {
+    return dot_unsigned(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+}
+
+/* 32 bits -> 32 bytes: byte i is `value` where bit i is set, else 0 */
+static inline __m256i bits_to_bytes(uint32_t bits, char value) {
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
+                                            3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), spread);
+    __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
+    return _mm256_and_si256(set, _mm256_set1_epi8(value));
+}
+
 typedef struct {
     __m256i a, b;
 } ivec;

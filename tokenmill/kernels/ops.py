@@ -148,7 +148,8 @@ def int8_matmul(
 
 
 def gguf_quantize_rows(x: torch.Tensor) -> torch.Tensor:
-    """x: (M, K) bf16, rows contiguous → the int8 activation blocks gguf_matmul takes (uint8, (M, K / 32 * GGUF_XBLOCK_BYTES))."""
+    """x: (M, K) bf16 → the int8 activation blocks gguf_matmul makes of it inside, uint8 (M, K / 32 *
+    GGUF_XBLOCK_BYTES): exported so the tests can hold them equal to torch's quantize_activations."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
@@ -213,8 +214,8 @@ def argmax_rows(x: torch.Tensor) -> list[int]:
 
 
 def gguf_repack(weight: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
-    """The file's (N, row bytes) blocks regrouped in 16-column groups for gguf_matmul_packed (gguf_matmul.c says
-    how; about as many bytes per column), N padded to a multiple of 16."""
+    """The file's (N, row bytes) blocks regrouped in 16-column groups for gguf_matmul (gguf_matmul.c says how;
+    about as many bytes per column), N padded to a multiple of 16."""
     n = weight.shape[0]
     size = _lib().gguf_packed_bytes(ggml_type, n, k)
     if size < 0:

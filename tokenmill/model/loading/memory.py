@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import mmap
 
 
 def release_freed_memory() -> None:
@@ -14,8 +15,7 @@ def release_freed_memory() -> None:
         pass
 
 
-MADV_DONTNEED = 4
-PAGE = 4096
+MADV_DONTNEED = 4  # Linux's value (mmap.MADV_DONTNEED), for libc's madvise through ctypes
 
 
 def unmap_file_pages(begin: int, end: int) -> None:
@@ -24,7 +24,7 @@ def unmap_file_pages(begin: int, end: int) -> None:
     to regroup them; without this, those read-once pages would count in RSS next to their regrouped copy.
 
     Only for a file mapping no one wrote to: on anonymous or written memory DONTNEED discards the contents."""
-    start = begin - begin % PAGE
+    start = begin - begin % mmap.PAGESIZE
     try:
         ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
     except (OSError, AttributeError):
