@@ -245,6 +245,31 @@ def gguf_matmul(x: torch.Tensor, ggml_type: int, packed: torch.Tensor, n: int, o
         int(out.dtype == torch.float32),
         torch.get_num_threads(),
     )
+    _gguf_status(status, m, k, ggml_type)
+
+
+def gguf_matmul_into(x: torch.Tensor, out: torch.Tensor, ggml_type: int, packed: torch.Tensor, n: int, at: int) -> None:
+    """gguf_matmul into columns [at, at + N) of `out`, for a caller that made x (M, K) bf16 with contiguous rows and
+    out (M, >= at + N) contiguous itself (GgufLinear): the decode step's hot path, without gguf_matmul's checks."""
+    m, k = x.shape
+    status = _lib().gguf_matmul(
+        x.data_ptr(),
+        x.stride(0),
+        m,
+        k,
+        ggml_type,
+        packed.data_ptr(),
+        n,
+        out.data_ptr() + at * out.element_size(),
+        out.stride(0),
+        out.dtype == torch.float32,
+        torch.get_num_threads(),
+    )
+    if status:
+        _gguf_status(status, m, k, ggml_type)
+
+
+def _gguf_status(status: int, m: int, k: int, ggml_type: int) -> None:
     if status == -2:
         raise MemoryError(f"gguf_matmul: no memory to quantise ({m}, {k}) inputs")
     if status:

@@ -56,6 +56,8 @@ class GgufLinear(nn.Module):
         self.types = [p.ggml_type for p in parts]
         self.rows = [p.rows for p in parts]
         self.out_features = sum(self.rows)
+        starts = [sum(self.rows[:i]) for i in range(len(parts))]  # each part's first output column
+        self._calls = [(f"part{i}", t, n, at) for i, (t, n, at) in enumerate(zip(self.types, self.rows, starts))]
         for i, part in enumerate(parts):  # the kernel's layout, or the file's blocks for the torch path
             if self.kernel:
                 self.register_buffer(f"part{i}", ops.gguf_repack(part.raw, part.ggml_type, part.k))
@@ -69,28 +71,29 @@ class GgufLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         shape = x.shape
-        rows = x.reshape(-1, shape[-1])
+        rows = x.reshape(-1, self.k)
         dtype = out_dtype or x.dtype
-        if self.kernel:  # its parts are in the kernel's layout; it takes bf16 rows and writes bf16 or float32
-            written = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
-            out = self._kernel_forward(rows.to(torch.bfloat16), written).to(dtype)
-        else:
-            out = torch.cat(
-                [gguf_quant.gguf_matmul(rows, self._part(i), t, self.k) for i, t in enumerate(self.types)], dim=1
-            ).to(dtype)
-        return out.reshape(*shape[:-1], self.out_features)
-
-    def _kernel_forward(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        out = torch.empty(rows.shape[0], self.out_features, dtype=dtype)
-        if not rows.shape[0]:
-            return out
+        if not self.kernel:
+            parts = [gguf_quant.gguf_matmul(rows, self._part(i), t, self.k) for i, t in enumerate(self.types)]
+            return torch.cat(parts, dim=1).to(dtype).reshape(*shape[:-1], self.out_features)
+        # the kernel takes bf16 rows and writes bf16 or float32; this runs ~100 times a decode step, so it stays lean
+        if rows.dtype != torch.bfloat16:
+            rows = rows.to(torch.bfloat16)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        at = 0
-        for i, (t, n) in enumerate(zip(self.types, self.rows)):
-            ops.gguf_matmul(rows, t, self._part(i), n, out[:, at:])
-            at += n
-        return out
+        written = dtype if dtype in _KERNEL_OUT else torch.float32
+        out = torch.empty(rows.shape[0], self.out_features, dtype=written)
+        if rows.shape[0]:
+            for name, t, n, at in self._calls:
+                packed = self._buffers[name]  # not get_buffer, whose lookup costs a microsecond a call
+                assert packed is not None
+                ops.gguf_matmul_into(rows, out, t, packed, n, at)
+        if written != dtype:
+            out = out.to(dtype)
+        return out if len(shape) == 2 else out.reshape(*shape[:-1], self.out_features)
+
+
+_KERNEL_OUT = (torch.bfloat16, torch.float32)
 
 
 def _merge_same_types(parts: list[GgufWeight]) -> list[GgufWeight]:
