@@ -143,9 +143,10 @@ static int64_t row_bytes_of(int type, int64_t k) {
  * order on every path, for any number of rows: the same bits, and batch invariance. */
 
 #define GROUP 16     /* columns per group */
-/* Bytes ahead of the block in use that each thread asks the memory for: the weights are one sequential stream per
- * thread, and without the hint the rows' compute and the stream alternate rather than overlap (with it, 16 rows of
- * the 270M's LM head took 11 ms instead of 14; 4 to 32 KiB measured alike) */
+/* Bytes ahead of the sub-block in use that each thread asks the memory for, into L2 (prefetcht1), a line at a time as
+ * it goes: the weights are one sequential stream per thread, and without the hint the rows' compute and the stream
+ * alternate rather than overlap. Into L1 (prefetcht0) the requests hold the core's few L1 fill buffers, and the types
+ * with more decoding per byte than Q8_0 streamed at a fifth less (the README has the figures; 4 to 32 KiB alike) */
 #define PREFETCH_AHEAD 8192
 #define ROW_CHUNK 64 /* rows per pass over a group's weights: their accumulators stay in L1 */
 
@@ -521,9 +522,9 @@ ALWAYS_INLINE void packed_group(int type, const uint8_t *w, const xblock *x, int
     const int64_t unit = packed_unit_bytes(type);
     fvec mins[ROW_CHUNK];
     for (int64_t r = 0; r < rows; r++) res[r] = mins[r] = fv_zero();
+    const char *ahead = (const char *)w + PREFETCH_AHEAD; /* the next line to ask for */
     for (int64_t u = 0; u < nb / S; u++) {
         const uint8_t *blk = w + u * unit;
-        for (int64_t at = 0; at < unit; at += 64) _mm_prefetch((const char *)blk + PREFETCH_AHEAD + at, _MM_HINT_T0);
         fvec d = fv_fp16(blk);
         const uint8_t *codes = blk + (type == Q4_K || type == Q5_K ? 320 : type == Q6_K ? 288 : 32);
         for (int j = 0; j < S; j++) {
@@ -535,6 +536,8 @@ ALWAYS_INLINE void packed_group(int type, const uint8_t *w, const xblock *x, int
                 f.scale = fv_mul(d, fv_cvt(iv_i8_lanes(blk + 32 + 16 * j)));
                 f.scale_hi = fv_mul(d, fv_cvt(iv_i8_lanes(blk + 160 + 16 * j)));
             }
+            const char *end = (const char *)(codes + (j + 1) * code_bytes(type)) + PREFETCH_AHEAD;
+            for (; ahead < end; ahead += 64) _mm_prefetch(ahead, _MM_HINT_T1);
             ivec vec[8];
             for (int g = 0; g < 8; g++) vec[g] = packed_vector(type, codes + j * code_bytes(type), g);
             int64_t r = 0;
@@ -576,10 +579,15 @@ int gguf_matmul(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, in
     size_t elem = float_out ? sizeof(float) : sizeof(uint16_t);
 #pragma omp parallel num_threads(threads)
     {
+    /* the groups split evenly, as a static schedule would; each thread asks for its first window of weights while
+     * the rows are quantised */
+    int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
+    int64_t first = groups * thread / team, last = groups * (thread + 1) / team;
+    for (int64_t at = 0; first < last && at < PREFETCH_AHEAD; at += 64)
+        _mm_prefetch((const char *)w + first * group_bytes + at, _MM_HINT_T1);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < m; r++) quantize_row(x_in + r * x_stride, k, x + r * nb);
-#pragma omp for schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
+    for (int64_t g = first; g < last; g++) {
         fvec res[ROW_CHUNK];
         int64_t c0 = GROUP * g, cols = n - c0 < GROUP ? n - c0 : GROUP;
         for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK) {
