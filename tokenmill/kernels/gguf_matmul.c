@@ -311,14 +311,15 @@ static inline ivec iv_load(const uint8_t *p) { return _mm512_loadu_si512(p); }
 static inline ivec iv_zero(void) { return _mm512_setzero_si512(); }
 static inline ivec iv_low4(ivec v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0f)); }
 static inline ivec iv_high4(ivec v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f)); }
-static inline ivec iv_bits2(ivec v, int shift) {
-    return _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(v, shift), _mm512_set1_epi8(3)), 4);
+/* u (4-bit codes) with 16 added where p's bit is set: the mask loaded straight from memory, one masked add */
+static inline ivec iv_with_fifth_bits(ivec u, const uint8_t *p) {
+    return _mm512_mask_add_epi8(u, _load_mask64((__mmask64 *)p), u, _mm512_set1_epi8(0x10));
 }
-static inline ivec iv_or(ivec a, ivec b) { return _mm512_or_si512(a, b); }
-static inline ivec iv_fifth_bits(const uint8_t *p) {
-    uint64_t bits;
-    memcpy(&bits, p, 8);
-    return _mm512_maskz_mov_epi8((__mmask64)bits, _mm512_set1_epi8(0x10));
+/* u (4-bit codes) with bits 2q, 2q+1 of each byte of h as bits 4-5: h shifted in 16-bit lanes (a neighbour byte's
+ * bits only land outside bits 4-5) and merged in one ternary op, (h' & 0x30) | u */
+static inline ivec iv_with_bits2(ivec u, ivec h, int q) {
+    ivec t = q == 0 ? _mm512_slli_epi16(h, 4) : q == 1 ? _mm512_slli_epi16(h, 2) : q == 2 ? h : _mm512_srli_epi16(h, 2);
+    return _mm512_ternarylogic_epi32(t, u, _mm512_set1_epi8(0x30), 0xEC);
 }
 /* Q8_0's signed codes made unsigned (+128; subtracted back through the activation sums) */
 static inline ivec iv_signed_codes(ivec v) { return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80)); }
@@ -387,14 +388,14 @@ static inline ivec iv_high4(ivec v) { return IV2(low4(_mm256_srli_epi16(v.a, 4))
 static inline __m256i bits2(__m256i v, int shift) {
     return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(v, shift), _mm256_set1_epi8(3)), 4);
 }
-static inline ivec iv_bits2(ivec v, int shift) { return IV2(bits2(v.a, shift), bits2(v.b, shift)); }
 static inline ivec iv_or(ivec x, ivec y) { return IV2(_mm256_or_si256(x.a, y.a), _mm256_or_si256(x.b, y.b)); }
-static inline ivec iv_fifth_bits(const uint8_t *p) {
+static inline ivec iv_with_fifth_bits(ivec u, const uint8_t *p) {
     uint32_t lo, hi;
     memcpy(&lo, p, 4);
     memcpy(&hi, p + 4, 4);
-    return IV2(bits_to_bytes(lo, 0x10), bits_to_bytes(hi, 0x10));
+    return iv_or(u, IV2(bits_to_bytes(lo, 0x10), bits_to_bytes(hi, 0x10)));
 }
+static inline ivec iv_with_bits2(ivec u, ivec h, int q) { return iv_or(u, IV2(bits2(h.a, 2 * q), bits2(h.b, 2 * q))); }
 static inline ivec iv_signed_codes(ivec v) { return v; }
 static inline ivec iv_dot(ivec acc, ivec u, int32_t x4) {
     __m256i x = _mm256_set1_epi32(x4);
@@ -453,8 +454,8 @@ ALWAYS_INLINE ivec packed_vector(int type, const uint8_t *codes, int g) {
     if (type == Q8_0) return iv_signed_codes(iv_load(codes + 64 * g));
     ivec v = iv_load(codes + 64 * (g % 4));
     ivec u = g < 4 ? iv_low4(v) : iv_high4(v);
-    if (type == Q5_0 || type == Q5_K) u = iv_or(u, iv_fifth_bits(codes + 256 + 8 * g));
-    if (type == Q6_K) u = iv_or(u, iv_bits2(iv_load(codes + 256 + 64 * (g / 4)), 2 * (g % 4)));
+    if (type == Q5_0 || type == Q5_K) u = iv_with_fifth_bits(u, codes + 256 + 8 * g);
+    if (type == Q6_K) u = iv_with_bits2(u, iv_load(codes + 256 + 64 * (g / 4)), g % 4);
     return u;
 }
 
