@@ -54,41 +54,75 @@ typedef struct {
 } xblock;
 _Static_assert(sizeof(xblock) == GGUF_XBLOCK_BYTES, "kernels.h states an activation block's size");
 
-/* One row (K,) -> K / 32 blocks. Per block: amax = max |x|; not finite -> scale NaN and codes 0 (the row's outputs
- * are NaN, as torch's would be); 0 -> scale 0; else scale amax / 127 and codes round-half-even(x * (127 / amax)). */
-static void quantize_row(const uint16_t *row, int64_t k, xblock *out) {
-    for (int64_t b = 0; b < k / 32; b++) {
-        float v[32], amax = 0.0f;
-        int bad = 0;
-        for (int i = 0; i < 32; i++) {
-            v[i] = bf16_to_float(row[32 * b + i]);
-            float a = fabsf(v[i]);
-            bad |= !(a <= 3.4028234663852886e38f);
-            amax = a > amax ? a : amax;
-        }
-        xblock *o = out + b;
-        memset(o, 0, sizeof *o);
-        if (bad) {
-            o->d = NAN;
-            continue;
-        }
-        if (amax == 0.0f) continue;
-        float inv = 127.0f / amax;
-        o->d = amax / 127.0f;
-        for (int i = 0; i < 32; i++) {
-            float r = nearbyintf(v[i] * inv);
-            r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
-            o->q[i] = (int8_t)r;
-            o->sum += (int32_t)r;
-            o->halves[i / 16] += (int32_t)r;
-        }
+/* One block of 32 inputs. amax = max |x|; not finite -> scale NaN and codes 0 (the row's outputs are NaN, as
+ * torch's would be); 0 -> scale 0; else scale amax / 127 and codes round-half-even(x * (127 / amax)), clamped. */
+#if defined(WITH_VNNI)
+#include "avx512_common.h"
+
+/* 16 lanes at a time: the same IEEE operations as the scalar version below, so the same codes and scales */
+static void quantize_block(const uint16_t *src, xblock *o) {
+    __m512 v[2] = {load_bf16(src), load_bf16(src + 16)};
+    __m512 a0 = _mm512_abs_ps(v[0]), a1 = _mm512_abs_ps(v[1]);
+    const __m512 big = _mm512_set1_ps(3.4028234663852886e38f);
+    int finite = (_mm512_cmp_ps_mask(a0, big, _CMP_LE_OQ) & _mm512_cmp_ps_mask(a1, big, _CMP_LE_OQ)) == 0xffff;
+    memset(o, 0, sizeof *o);
+    if (!finite) {
+        o->d = NAN;
+        return;
     }
+    float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+    if (amax == 0.0f) return;
+    __m512 inv = _mm512_set1_ps(127.0f / amax);
+    o->d = amax / 127.0f;
+    for (int h = 0; h < 2; h++) {
+        __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(v[h], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        r = _mm512_min_ps(_mm512_set1_ps(127.0f), _mm512_max_ps(_mm512_set1_ps(-127.0f), r)); /* NaN stays NaN */
+        __m512i q = _mm512_cvtps_epi32(r);
+        _mm_storeu_si128((__m128i *)(o->q + 16 * h), _mm512_cvtepi32_epi8(q));
+        o->halves[h] = _mm512_reduce_add_epi32(q);
+    }
+    o->sum = o->halves[0] + o->halves[1];
+}
+#else
+static void quantize_block(const uint16_t *src, xblock *o) {
+    float v[32], amax = 0.0f;
+    int bad = 0;
+    for (int i = 0; i < 32; i++) {
+        v[i] = bf16_to_float(src[i]);
+        float a = fabsf(v[i]);
+        bad |= !(a <= 3.4028234663852886e38f);
+        amax = a > amax ? a : amax;
+    }
+    memset(o, 0, sizeof *o);
+    if (bad) {
+        o->d = NAN;
+        return;
+    }
+    if (amax == 0.0f) return;
+    float inv = 127.0f / amax;
+    o->d = amax / 127.0f;
+    for (int i = 0; i < 32; i++) {
+        float r = nearbyintf(v[i] * inv);
+        r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+        o->q[i] = (int8_t)r;
+        o->halves[i / 16] += (int32_t)r;
+    }
+    o->sum = o->halves[0] + o->halves[1];
+}
+#endif
+
+/* rows (M, K), `stride` apart -> M * K / 32 blocks, row after row; shared out by block, so one row uses both cores.
+ * Called inside a parallel region. */
+static void quantize_rows(const uint16_t *x, int64_t stride, int64_t m, int64_t k, xblock *out) {
+    int64_t nb = k / 32;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < m * nb; i++) quantize_block(x + i / nb * stride + 32 * (i % nb), out + i);
 }
 
 int gguf_quantize_rows(const uint16_t *x, int64_t stride, int64_t m, int64_t k, void *out, int threads) {
     if (k % 32) return -1;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t r = 0; r < m; r++) quantize_row(x + r * stride, k, (xblock *)out + r * (k / 32));
+#pragma omp parallel num_threads(threads)
+    quantize_rows(x, stride, m, k, out);
     return 0;
 }
 
@@ -303,8 +337,6 @@ int gguf_repack(int type, const uint8_t *w, int64_t n, int64_t k, uint8_t *out, 
 /* --- the vectors: 16 lanes, one register on AVX-512, two halves on AVX2 --- */
 
 #if defined(WITH_VNNI)
-#include "avx512_common.h"
-
 typedef __m512i ivec;
 typedef __m512 fvec;
 static inline ivec iv_load(const uint8_t *p) { return _mm512_loadu_si512(p); }
@@ -586,8 +618,7 @@ int gguf_matmul(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, in
     int64_t first = groups * thread / team, last = groups * (thread + 1) / team;
     for (int64_t at = 0; first < last && at < PREFETCH_AHEAD; at += 64)
         _mm_prefetch((const char *)w + first * group_bytes + at, _MM_HINT_T1);
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < m; r++) quantize_row(x_in + r * x_stride, k, x + r * nb);
+    quantize_rows(x_in, x_stride, m, k, x);
     for (int64_t g = first; g < last; g++) {
         fvec res[ROW_CHUNK];
         int64_t c0 = GROUP * g, cols = n - c0 < GROUP ? n - c0 : GROUP;
