@@ -229,28 +229,15 @@ def gguf_matmul(x: torch.Tensor, ggml_type: int, packed: torch.Tensor, n: int, o
     """x: (M, K) bf16 with contiguous rows @ the N rows of K weights of `ggml_type` that gguf_repack regrouped into
     `packed` → out: (M, ≥N) bf16 or float32 with contiguous rows, its first N columns written (a column slice of a
     wider output is fine). The rows are quantised to int8 per 32 inside (gguf_quantize_rows' arithmetic)."""
-    m, k = x.shape
+    m = x.shape[0]
     if x.stride(-1) != 1 or out.stride(-1) != 1 or out.shape[0] != m or out.shape[1] < n:
         raise ValueError("gguf_matmul: x (M, K) and out (M, >= N) must have contiguous rows")
-    status = _lib().gguf_matmul(
-        x.data_ptr(),
-        x.stride(0),
-        m,
-        k,
-        ggml_type,
-        packed.data_ptr(),
-        n,
-        out.data_ptr(),
-        out.stride(0),
-        int(out.dtype == torch.float32),
-        torch.get_num_threads(),
-    )
-    _gguf_status(status, m, k, ggml_type)
+    gguf_matmul_into(x, out, ggml_type, packed, n, 0)
 
 
 def gguf_matmul_into(x: torch.Tensor, out: torch.Tensor, ggml_type: int, packed: torch.Tensor, n: int, at: int) -> None:
     """gguf_matmul into columns [at, at + N) of `out`, for a caller that made x (M, K) bf16 with contiguous rows and
-    out (M, >= at + N) contiguous itself (GgufLinear): the decode step's hot path, without gguf_matmul's checks."""
+    out (M, >= at + N) with contiguous rows itself (GgufLinear: the decode step's hot path), so the shapes are not checked."""
     m, k = x.shape
     status = _lib().gguf_matmul(
         x.data_ptr(),
@@ -265,11 +252,6 @@ def gguf_matmul_into(x: torch.Tensor, out: torch.Tensor, ggml_type: int, packed:
         out.dtype == torch.float32,
         torch.get_num_threads(),
     )
-    if status:
-        _gguf_status(status, m, k, ggml_type)
-
-
-def _gguf_status(status: int, m: int, k: int, ggml_type: int) -> None:
     if status == -2:
         raise MemoryError(f"gguf_matmul: no memory to quantise ({m}, {k}) inputs")
     if status:
