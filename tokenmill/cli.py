@@ -30,11 +30,22 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         commands.choices[args.command].error(str(exc))  # usage and exit 2, as argparse does for a bad flag
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.command == "serve":
-        return serve_forever(config)
-    if args.command == "complete":
-        return asyncio.run(complete_once(config, args.prompt, args.max_tokens, args.temperature))
-    return show_model(config)
+    try:
+        if args.command == "serve":
+            return serve_forever(config)
+        if args.command == "complete":
+            return asyncio.run(complete_once(config, args.prompt, args.max_tokens, args.temperature))
+        return show_model(config)
+    except _model_load_error() as exc:  # a model this server cannot load: one line that says why, not a traceback
+        print(f"tokenmill {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _model_load_error() -> type[Exception]:
+    """Imported only when an exception is on its way out (the engine, and torch with it, load lazily)."""
+    from tokenmill.engine.build import ModelLoadError
+
+    return ModelLoadError
 
 
 def config_command(commands: Any, name: str, help: str) -> argparse.ArgumentParser:

@@ -23,6 +23,11 @@ from tokenmill.tokenizer import Tokenizer
 DEFAULT_MAX_MODEL_LEN = 8192
 
 
+class ModelLoadError(Exception):
+    """The model the config names cannot be served (an architecture, tokenizer or file this engine does not take, or
+    no such path): the message says which and why, in one line for the command line to print."""
+
+
 @dataclass(frozen=True)
 class LoadedEngine:
     core: EngineCore
@@ -32,8 +37,11 @@ class LoadedEngine:
 
 def load_engine_core(config: Config) -> LoadedEngine:
     """Loads the model the config names, prepares its linears, and caches the prepared weights for the next start."""
+    from tokenmill.model.loading.gguf_file import GgufFormatError
     from tokenmill.model.loading.loader import is_gguf, load_model_files, save_prepared
+    from tokenmill.model.model_config import UnsupportedModelError
     from tokenmill.model.registry import build_model
+    from tokenmill.tokenizer.gguf import UnsupportedTokenizerError
 
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -41,8 +49,11 @@ def load_engine_core(config: Config) -> LoadedEngine:
     if quantization == "gguf" and not is_gguf(config.model):
         config = config.with_overrides(quantization="int8")  # no GGUF blocks to keep: the float checkpoint's path
         quantization = "int8"
-    loaded = load_model_files(config.model, config.cache_dir, dtype, quantization)
-    model = build_model(loaded.config, loaded.state_dict, prepared=loaded.prepared, quantized=loaded.quantized)
+    try:
+        loaded = load_model_files(config.model, config.cache_dir, dtype, quantization)
+        model = build_model(loaded.config, loaded.state_dict, prepared=loaded.prepared, quantized=loaded.quantized)
+    except (UnsupportedModelError, UnsupportedTokenizerError, GgufFormatError, FileNotFoundError) as exc:
+        raise ModelLoadError(str(exc)) from exc
     loaded.state_dict, loaded.quantized = {}, {}  # the model holds what it uses; the rest can go
     if loaded.mapped is not None:  # the file's pages read to regroup blocks: the page cache keeps them, RSS need not
         unmap_file_pages(*loaded.mapped)

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.kernels import ops
+from tokenmill.model.model_config import RopeScaling
 
 
 class RMSNorm(nn.Module):
@@ -48,22 +49,37 @@ class Rotary(nn.Module):
     """Rotary position embedding in the "rotate half" layout Hugging Face checkpoints use.
 
     The frequencies are recomputed per call (head_dim / 2 numbers) rather than kept as a buffer, so a model built on
-    the meta device and filled by load_state_dict needs nothing re-initialised.
+    the meta device and filled by load_state_dict needs nothing re-initialised. `scaling`: per-frequency divisors
+    (Llama 3, Phi-3's longrope; see RopeScaling), on top of the linear `scaling_factor`.
     """
 
-    def __init__(self, head_dim: int, base: float, scaling_factor: float = 1.0) -> None:
+    def __init__(
+        self, head_dim: int, base: float, scaling_factor: float = 1.0, scaling: RopeScaling | None = None
+    ) -> None:
         super().__init__()
-        self.head_dim, self.base, self.scaling_factor = head_dim, base, scaling_factor
+        self.head_dim, self.base, self.scaling_factor, self.scaling = head_dim, base, scaling_factor, scaling
+
+    def inv_freq(self, divisors: tuple[float, ...] | None = None) -> torch.Tensor:
+        """(head_dim / 2,) float32: the rotation of each pair of dimensions per position."""
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
+        inv_freq = 1.0 / (self.base**exponents) / self.scaling_factor
+        return inv_freq if divisors is None else inv_freq / torch.tensor(divisors, dtype=torch.float32)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """→ (cos, signed sin), each (T, 1, head_dim): the sin's first half negated, as `apply_rotary` wants it."""
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
-        inv_freq = 1.0 / (self.base**exponents) / self.scaling_factor  # (head_dim / 2,)
-        freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, head_dim / 2)
+        scaling = self.scaling
+        divisors = scaling.divisors if scaling is not None else None
+        freqs = positions.float()[:, None] * self.inv_freq(divisors)[None, :]  # (T, head_dim / 2)
+        if scaling is not None and scaling.long_divisors is not None:
+            long = positions.float()[:, None] * self.inv_freq(scaling.long_divisors)[None, :]
+            freqs = torch.where(positions[:, None] >= (scaling.original_max_positions or 0), long, freqs)
         emb = torch.cat((freqs, freqs), dim=-1)  # (T, head_dim)
         sign = torch.ones(self.head_dim)
         sign[: self.head_dim // 2] = -1.0
-        return emb.cos().to(dtype)[:, None, :], (emb.sin() * sign).to(dtype)[:, None, :]
+        cos, sin = emb.cos(), emb.sin()
+        if scaling is not None and scaling.attention_scale != 1.0:
+            cos, sin = cos * scaling.attention_scale, sin * scaling.attention_scale
+        return cos.to(dtype)[:, None, :], (sin * sign).to(dtype)[:, None, :]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,14 @@
-"""Llama-style decoders (Llama, Mistral) in plain PyTorch, with Hugging Face parameter names.
+"""Llama-style decoders (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3) in plain PyTorch, with Hugging Face names.
 
 Per layer: RMSNorm → attention (rotary, grouped KV heads, optional sliding window) → residual, RMSNorm → SiLU-gated
-MLP → residual. The LM head is its own matrix unless the checkpoint ties it to the embedding.
+MLP → residual. The LM head is its own matrix unless the checkpoint ties it to the embedding. What the family's
+members add: Qwen2's q/k/v biases, Qwen3's RMSNorm on each q and k head before the rotary, Llama 3's and Phi-3's
+rotary scaling (Rotary). q/k/v and gate/up are held stacked (one matmul each), as Phi-3's checkpoints already are.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -22,30 +26,42 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.window = cfg.sliding_window if cfg.is_sliding(layer) else None
         self.scale = cfg.attn_scale
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=False)  # q, k, v stacked
+        # a checkpoint's biases sit beside the bias-free linear (registry.build_model), so every linear kind serves
+        self.qkv_proj_bias = nn.Parameter(torch.zeros(q_size + 2 * kv_size)) if cfg.attention_bias else None
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.o_proj_bias = nn.Parameter(torch.zeros(cfg.hidden_size)) if cfg.output_bias else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # (T, Hq, D)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        t, d = x.shape[0], self.head_dim
+        qkv = biased(self.qkv_proj(x), self.qkv_proj_bias)
+        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        q, k, v = q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d), v.view(t, self.num_kv_heads, d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.window)  # (T, Hq, D)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return biased(self.o_proj(out.reshape(t, self.num_heads * d)), self.o_proj_bias)
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # stacked
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(2 * cfg.intermediate_size)) if cfg.mlp_bias else None
+        self.down_proj_bias = nn.Parameter(torch.zeros(cfg.hidden_size)) if cfg.mlp_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = biased(self.gate_up_proj(x), self.gate_up_proj_bias).chunk(2, dim=-1)
+        return biased(self.down_proj(F.silu(gate) * up), self.down_proj_bias)
+
+
+def biased(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y if bias is None else y + bias
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -64,10 +80,14 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(DecoderModel):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg, LlamaDecoderLayer, norm_offset=0.0)
-        self.rope = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_factor)
+        self.rope = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_factor, cfg.rope)
 
 
 class LlamaForCausalLM(CausalLM):
+    STACKED_PROJECTIONS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+        "gate_up_proj": ("gate_proj", "up_proj"),
+    }
     model: LlamaModel
 
     def __init__(self, cfg: ModelConfig) -> None:

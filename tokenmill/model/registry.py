@@ -15,7 +15,13 @@ from tokenmill.model.linear import adopt_prepared
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.model_config import ModelConfig, UnsupportedModelError
 
-ARCHITECTURES: dict[str, type[CausalLM]] = {"gemma3": Gemma3ForCausalLM, "llama": LlamaForCausalLM}
+ARCHITECTURES: dict[str, type[CausalLM]] = {
+    "gemma3": Gemma3ForCausalLM,
+    "llama": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+    "phi3": LlamaForCausalLM,
+}
 
 
 def build_model(
@@ -41,7 +47,7 @@ def build_model(
         dtype = state_dict["model.norm.weight"].dtype
         entries, floats = adopt_gguf(model, quantized, cls.STACKED_PROJECTIONS, dtype)
         state_dict = {**state_dict, **floats}
-    stacked = stack_projections(state_dict, cls.STACKED_PROJECTIONS)
+    stacked = biases_beside_linears(stack_projections(state_dict, cls.STACKED_PROJECTIONS))
     model.load_state_dict({**stacked, **entries}, assign=True, strict=True)
     return model.eval()
 
@@ -67,14 +73,30 @@ def _no_weight_init() -> Iterator[None]:
 def stack_projections(
     state_dict: dict[str, torch.Tensor], stacked: dict[str, tuple[str, ...]]
 ) -> dict[str, torch.Tensor]:
-    """Concatenates a checkpoint's separate projections (e.g. q/k/v_proj) into the model's stacked one (qkv_proj).
+    """Concatenates a checkpoint's separate projections (e.g. q/k/v_proj) into the model's stacked one (qkv_proj),
+    weights and biases alike.
 
     Rows of a linear layer are independent outputs, and the int8/int4 schemes quantise per output row, so a stacked
     layer computes exactly what the separate ones did, in one matmul call instead of several.
     """
     out = dict(state_dict)
     for name, parts in stacked.items():
-        for key in [k for k in state_dict if k.endswith(f".{parts[0]}.weight")]:
-            prefix = key[: -len(f"{parts[0]}.weight")]
-            out[f"{prefix}{name}.weight"] = torch.cat([out.pop(f"{prefix}{p}.weight") for p in parts])
+        for kind in ("weight", "bias"):
+            for key in [k for k in state_dict if k.endswith(f".{parts[0]}.{kind}")]:
+                prefix = key[: -len(f"{parts[0]}.{kind}")]
+                out[f"{prefix}{name}.{kind}"] = torch.cat([out.pop(f"{prefix}{p}.{kind}") for p in parts])
     return out
+
+
+def biases_beside_linears(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A linear's checkpoint bias `X.bias` → the model's `X_bias`, a parameter beside the bias-free linear `X`.
+
+    The engine's linear kinds (int8 tiles, GGUF blocks, bf16 rows) carry no bias; the module adds it after the
+    product, so each of them serves a checkpoint with biases unchanged. Norm biases (`..norm.bias`) stay where they are.
+    """
+    return {(f"{key[: -len('.bias')]}_bias" if _linear_bias(key) else key): value for key, value in state_dict.items()}
+
+
+def _linear_bias(key: str) -> bool:
+    module, _, kind = key.rpartition(".")
+    return kind == "bias" and "norm" not in module.rpartition(".")[2]

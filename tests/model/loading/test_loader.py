@@ -240,3 +240,17 @@ def test_fast_gguf_index_equals_the_gguf_package_reader_on_the_default_model() -
             tuple(int(d) for d in theirs.shape),
         )
         assert np.array_equal(ours.data, theirs.data), ours.name
+
+
+@pytest.mark.parametrize("family", ["llama3", "phi3", "qwen3"])
+def test_a_cached_config_reads_back_equal(family: str, tmp_path: Path) -> None:
+    """The conversion cache stores ModelConfig as JSON: tuples and the rope scaling come back as they were."""
+    import json
+
+    from tests.model.families import BY_NAME, write_hf_model
+    from tokenmill.model.loading.hf_dir import read_hf_config
+    from tokenmill.model.loading.loader import config_from_json, config_to_json
+
+    write_hf_model(tmp_path, BY_NAME[family])
+    config = read_hf_config(tmp_path)
+    assert config_from_json(json.loads(json.dumps(config_to_json(config)))) == config

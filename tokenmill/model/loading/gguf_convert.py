@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from tokenmill.model.gguf_linear import GgufWeight, native
 from tokenmill.model.loading.gguf_file import GgufTensor, read_gguf_file
-from tokenmill.model.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
+from tokenmill.model.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling, UnsupportedModelError
 from tokenmill.tokenizer import Tokenizer
 
 # GGUF block tensor → HF layer module path
@@ -50,8 +50,25 @@ _LLAMA_BLOCK = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_BLOCKS = {"gemma3": _GEMMA3_BLOCK, "llama": _LLAMA_BLOCK}
+_QWEN3_BLOCK = {**_LLAMA_BLOCK, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_PHI3_BLOCK = {  # q/k/v and gate/up fused in the file, as in the checkpoint (ffn_up holds gate then up)
+    "attn_norm": "input_layernorm",
+    "attn_qkv": "self_attn.qkv_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_up": "mlp.gate_up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCKS = {
+    "gemma3": _GEMMA3_BLOCK,
+    "llama": _LLAMA_BLOCK,
+    "qwen2": _LLAMA_BLOCK,
+    "qwen3": _QWEN3_BLOCK,
+    "phi3": _PHI3_BLOCK,
+}
 _GLOBALS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# rotary scaling factors a file holds as tensors: read into ModelConfig.rope, not weights of the model
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")
 _BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_NAME = re.compile(r"^(\w+)\.(weight|bias)$")
 
@@ -73,8 +90,7 @@ def read_gguf(path: str, progress: bool = True) -> GgufModel:
             raise UnsupportedModelError(
                 f"unsupported model architecture {arch!r} in {path}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        tensor_shapes = {t.name: tuple(reversed(t.shape)) for t in tensors}
-        config = gguf_config(meta, tensor_shapes)
+        config = gguf_config(meta, tensors)
         bar.reset(total=len(tensors))
         bar.set_postfix_str("dequantising")
         state_dict = _convert_tensors(tensors, config, bar)
@@ -104,10 +120,10 @@ def read_gguf_native(path: str, dtype: torch.dtype) -> NativeGguf:
         raise UnsupportedModelError(
             f"unsupported model architecture {arch!r} in {path}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    config = gguf_config(meta, {t.name: tuple(reversed(t.shape)) for t in tensors})
+    config = gguf_config(meta, tensors)
     state_dict: dict[str, torch.Tensor] = {}
     quantized: dict[str, GgufWeight] = {}
-    for tensor in tensors:
+    for tensor in _weights(tensors):
         name = hf_name(tensor.name, config.architecture)
         weight = GgufWeight(int(tensor.tensor_type), torch.from_numpy(tensor.data), int(tensor.shape[0]))
         if len(tensor.shape) == 2 and name.endswith(".weight") and native(weight):
@@ -139,9 +155,10 @@ def read_gguf_tokenizer(path: str) -> Tokenizer:
 
 
 # --- config ---------------------------------------------------------------------------------------------------------
-def gguf_config(meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> ModelConfig:
-    """ModelConfig from `<arch>.*` metadata; `tensor_shapes` in torch order."""
+def gguf_config(meta: dict[str, Any], tensors: list[GgufTensor]) -> ModelConfig:
+    """ModelConfig from `<arch>.*` metadata, the tensors present (biases, q/k norms) and the rope factor tensors."""
     arch = str(meta["general.architecture"])
+    tensor_shapes = {t.name: tuple(reversed(t.shape)) for t in tensors}
 
     def key(name: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{name}", default)
@@ -162,15 +179,45 @@ def gguf_config(meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]])
         "rope_scaling_factor": _rope_scaling(arch, key("rope.scaling.type"), key("rope.scaling.factor")),
         "name": str(meta.get("general.name", "")),
     }
-    if "rope_freqs.weight" in tensor_shapes:
-        raise UnsupportedModelError(f"{arch} GGUF with rope_freqs (Llama 3.1-style rope scaling) is not supported")
     if arch == "gemma3":
         return _gemma3_config(common, key)
     sliding = key("attention.sliding_window")
     layer_types = ("sliding_attention",) * common["num_layers"] if sliding else ()
     return ModelConfig(
-        **common, rope_theta=_f32(key("rope.freq_base", 10000.0)), sliding_window=sliding, layer_types=layer_types
+        **common,
+        rope_theta=_f32(key("rope.freq_base", 10000.0)),
+        rope=_rope_factors({t.name: t for t in tensors}, key),
+        sliding_window=sliding,
+        layer_types=layer_types,
+        attention_bias="blk.0.attn_q.bias" in tensor_shapes or "blk.0.attn_qkv.bias" in tensor_shapes,
+        output_bias="blk.0.attn_output.bias" in tensor_shapes,
+        mlp_bias="blk.0.ffn_down.bias" in tensor_shapes,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_shapes,
     )
+
+
+def _rope_factors(tensors: dict[str, GgufTensor], key: Callable[..., Any]) -> RopeScaling | None:
+    """llama.cpp keeps Llama 3's scaling as a `rope_freqs` tensor of divisors, Phi-3's longrope as two
+    (`rope_factors_short` / `_long`) with the original context length and attention factor in the metadata."""
+
+    def values(name: str) -> tuple[float, ...]:
+        return tuple(float(v) for v in np.asarray(tensors[name].data, dtype=np.float32).ravel())
+
+    if "rope_freqs.weight" in tensors:
+        return RopeScaling(values("rope_freqs.weight"))
+    if "rope_factors_long.weight" not in tensors:
+        return None
+    original = int(key("rope.scaling.original_context_length"))
+    return RopeScaling(
+        divisors=values("rope_factors_short.weight"),
+        long_divisors=values("rope_factors_long.weight"),
+        original_max_positions=original,
+        attention_scale=_f32(key("rope.scaling.attn_factor", 1.0)),
+    )
+
+
+def _weights(tensors: list[GgufTensor]) -> list[GgufTensor]:
+    return [t for t in tensors if t.name not in _ROPE_TENSORS]
 
 
 def _f32(value: Any) -> float:
@@ -214,7 +261,7 @@ def hf_name(gguf_name: str, arch: str) -> str:
 
 def _convert_tensors(tensors: list[GgufTensor], config: ModelConfig, bar: tqdm) -> dict[str, torch.Tensor]:
     state_dict: dict[str, torch.Tensor] = {}
-    for tensor in tensors:
+    for tensor in _weights(tensors):
         name = hf_name(tensor.name, config.architecture)
         values = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         shape = tuple(reversed(tensor.shape))  # ggml lists the fastest dimension first

@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
-from tokenmill.model.model_config import ModelConfig, UnsupportedModelError
+from tokenmill.model.model_config import ModelConfig, RopeScaling, UnsupportedModelError
 
-# config.json model_type → our architecture
-MODEL_TYPES = {"gemma3_text": "gemma3", "gemma3": "gemma3", "llama": "llama", "mistral": "llama", "qwen2": "llama"}
+# config.json model_type → our architecture (GGUF's name for it)
+MODEL_TYPES = {
+    "gemma3_text": "gemma3",
+    "gemma3": "gemma3",
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+}
 # prefixes multimodal Gemma 3 checkpoints put before the text model's names
 _PREFIXES = (
     ("model.language_model.", "model."),
@@ -74,19 +83,38 @@ def _gemma3_config(raw: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
 
 
 def _llama_config(raw: dict[str, Any], common: dict[str, Any], model_type: str) -> ModelConfig:
-    if raw.get("attention_bias", model_type == "qwen2"):  # Qwen2 has q/k/v biases; ModelConfig cannot say so yet
-        raise UnsupportedModelError(f"{model_type} with attention biases is not supported yet")
+    """Llama, Mistral, Qwen2, Qwen3 and Phi-3: one decoder with the members' options (llama.py)."""
+    if raw.get("partial_rotary_factor", (raw.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)) != 1.0:
+        raise UnsupportedModelError(f"{model_type} with a partial rotary (partial_rotary_factor) is not supported")
     params = _rope_params(raw, None)
-    window = raw.get("sliding_window")
-    if model_type == "qwen2" and not raw.get("use_sliding_window", False):
-        window = None
+    scaling = params or raw.get("rope_scaling") or {}
+    attention_bias = bool(raw.get("attention_bias") or False)
     return ModelConfig(
         **common,
         rope_theta=float(params.get("rope_theta", raw.get("rope_theta", 10_000.0))),
-        rope_scaling_factor=_linear_factor(params or raw.get("rope_scaling")),
-        sliding_window=window,
-        layer_types=("sliding_attention",) * common["num_layers"] if window else (),
+        rope_scaling_factor=_linear_factor(scaling),
+        rope=_rope_scaling(scaling, raw, common["head_dim"]),
+        **_windows(raw, model_type, common["num_layers"]),
+        attention_bias=attention_bias or model_type == "qwen2",  # Qwen2's q/k/v always have biases
+        output_bias=attention_bias and model_type != "qwen2",
+        mlp_bias=bool(raw.get("mlp_bias") or False),
+        qk_norm=model_type == "qwen3",
     )
+
+
+def _windows(raw: dict[str, Any], model_type: str, layers: int) -> dict[str, Any]:
+    """sliding_window and which layers use it: `layer_types` where the config lists them (transformers >= 4.5x
+    writes them for Qwen), else every layer (Mistral, Phi-3) or, for Qwen, those from `max_window_layers` on."""
+    window = raw.get("sliding_window")
+    if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+        window = None
+    if not window:
+        return {"sliding_window": None, "layer_types": ()}
+    types = raw.get("layer_types")
+    if not types and model_type in ("qwen2", "qwen3"):
+        first = raw.get("max_window_layers", layers)
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    return {"sliding_window": int(window), "layer_types": tuple(types or ["sliding_attention"] * layers)}
 
 
 def _rope_params(raw: dict[str, Any], layer_type: str | None) -> dict[str, Any]:
@@ -97,14 +125,58 @@ def _rope_params(raw: dict[str, Any], layer_type: str | None) -> dict[str, Any]:
     return params if "rope_type" in params or "rope_theta" in params else {}
 
 
-def _linear_factor(scaling: dict[str, Any] | None) -> float:
+def _kind(scaling: dict[str, Any] | None) -> str:
     scaling = scaling or {}
-    kind = scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind == "default":
+    return str(scaling.get("rope_type") or scaling.get("type") or "default")
+
+
+def _linear_factor(scaling: dict[str, Any] | None) -> float:
+    kind = _kind(scaling)
+    if kind in ("default", "llama3", "longrope", "su"):  # the last three: RopeScaling
         return 1.0
     if kind != "linear":
-        raise UnsupportedModelError(f"rope scaling {kind!r} is not supported (only linear)")
-    return float(scaling["factor"])
+        raise UnsupportedModelError(f"rope scaling {kind!r} is not supported (default, linear, llama3, longrope are)")
+    return float((scaling or {})["factor"])
+
+
+def _rope_scaling(scaling: dict[str, Any], raw: dict[str, Any], head_dim: int) -> RopeScaling | None:
+    """Llama 3's and Phi-3's per-frequency scaling, as transformers' modeling_rope_utils computes it."""
+    kind = _kind(scaling)
+    if kind == "llama3":
+        return RopeScaling(
+            llama3_divisors(scaling, float(scaling.get("rope_theta", raw.get("rope_theta", 10_000.0))), head_dim)
+        )
+    if kind not in ("longrope", "su"):
+        return None
+    original = int(scaling.get("original_max_position_embeddings") or raw["original_max_position_embeddings"])
+    factor = scaling.get("factor") or raw["max_position_embeddings"] / original
+    attention_scale = scaling.get("attention_factor")
+    if attention_scale is None:
+        attention_scale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling(
+        divisors=tuple(float(f) for f in scaling["short_factor"]),
+        long_divisors=tuple(float(f) for f in scaling["long_factor"]),
+        original_max_positions=original,
+        attention_scale=float(attention_scale),
+    )
+
+
+def llama3_divisors(scaling: dict[str, Any], base: float, head_dim: int) -> tuple[float, ...]:
+    """Llama 3's scaling as a divisor per frequency: long wavelengths slowed by `factor`, short ones kept, those
+    between blended smoothly (transformers' `_compute_llama3_parameters`)."""
+    factor, low, high = float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    divisors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * base ** (i / head_dim)
+        if wavelen < original / high:
+            divisors.append(1.0)
+        elif wavelen > original / low:
+            divisors.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            divisors.append(1.0 / ((1 - smooth) / factor + smooth))
+    return tuple(divisors)
 
 
 def read_hf_state_dict(path: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:

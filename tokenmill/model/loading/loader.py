@@ -35,7 +35,7 @@ from tokenmill.model.gguf_linear import GgufWeight
 from tokenmill.model.linear import prepared_layout
 from tokenmill.model.loading.hf_dir import read_hf_config, read_hf_state_dict
 from tokenmill.model.loading.memory import release_freed_memory
-from tokenmill.model.model_config import ModelConfig
+from tokenmill.model.model_config import ModelConfig, RopeScaling
 from tokenmill.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -277,7 +277,14 @@ def config_to_json(config: ModelConfig) -> dict:
 
 
 def config_from_json(raw: dict) -> ModelConfig:
-    return ModelConfig(**{**raw, "layer_types": tuple(raw.get("layer_types", ()))})
+    """The inverse of config_to_json: JSON's lists back to the tuples (and the RopeScaling) ModelConfig holds."""
+    rope = raw.get("rope")
+    if rope is not None:
+        long = rope.get("long_divisors")
+        rope = RopeScaling(
+            **{**rope, "divisors": tuple(rope["divisors"]), "long_divisors": tuple(long) if long else None}
+        )
+    return ModelConfig(**{**raw, "layer_types": tuple(raw.get("layer_types", ())), "rope": rope})
 
 
 # --- Hugging Face directories ---------------------------------------------------------------------------------------

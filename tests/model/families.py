@@ -1,0 +1,211 @@
+"""Tiny random-weight models of each supported family, built with `transformers` itself and saved as a Hugging Face
+directory, and the same weights written as a GGUF file the way llama.cpp's converter writes them (its tensor names,
+Llama's q/k rows permuted, Phi-3's fused tensors, rope factors as tensors)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from tests.tiny_model import tiny_gguf_metadata, write_tokenizer_files
+
+SIZES = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+    "pad_token_id": 0,
+}
+HEAD_DIM = 16
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10_000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,  # with head_dim 16: short, blended and long wavelengths all occur
+}
+LONGROPE_ORIGINAL = 32  # Phi-3's longrope: short factors below this position, long ones from it on
+LONGROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 10_000.0,
+    "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+    "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0],
+    "original_max_position_embeddings": LONGROPE_ORIGINAL,
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # the test id
+    model_type: str  # config.json's
+    gguf_arch: str  # general.architecture in its GGUF files
+    options: dict[str, Any]  # config fields beyond SIZES
+    sliding_window: int | None = None
+
+
+FAMILIES = [
+    Family("llama", "llama", "llama", {"tie_word_embeddings": False}),
+    Family("llama3", "llama", "llama", {"tie_word_embeddings": True, "rope_parameters": LLAMA3_ROPE}),
+    Family("mistral", "mistral", "llama", {"tie_word_embeddings": True, "sliding_window": 8}, sliding_window=8),
+    Family("qwen2", "qwen2", "qwen2", {"tie_word_embeddings": True}),
+    Family("qwen3", "qwen3", "qwen3", {"tie_word_embeddings": False, "head_dim": 24}),
+    Family(
+        "phi3",
+        "phi3",
+        "phi3",
+        {
+            "tie_word_embeddings": False,
+            "rope_parameters": LONGROPE,
+            "original_max_position_embeddings": LONGROPE_ORIGINAL,
+        },
+    ),
+]
+BY_NAME = {f.name: f for f in FAMILIES}
+
+
+def hf_config(family: Family) -> Any:
+    import transformers
+
+    config = transformers.AutoConfig.for_model(family.model_type, **SIZES, **family.options)
+    config._attn_implementation = "eager"
+    return config
+
+
+def write_hf_model(directory: Path, family: Family, seed: int = 0) -> torch.nn.Module:
+    """A seeded random model of the family, saved as a HF directory (with the tiny tokenizer); returns it, eval."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(family)).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.1)  # non-trivial norms
+            elif name.endswith(".bias"):
+                p.copy_(torch.randn_like(p) * 0.1)  # biases are zero at initialisation: make them count
+    model.save_pretrained(directory)
+    write_tokenizer_files(directory, SIZES["max_position_embeddings"])
+    return model
+
+
+# --- GGUF, as llama.cpp's convert_hf_to_gguf.py writes it -----------------------------------------------------------
+_BLOCK = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.qkv_proj": "attn_qkv",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.gate_up_proj": "ffn_up",  # Phi-3: gate then up, one tensor
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_tensor_name(name: str) -> str:
+    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    if name in fixed or name == "lm_head.weight":
+        return fixed.get(name, "output.weight")
+    _, _, layer, *module, kind = name.split(".")
+    return f"blk.{layer}.{_BLOCK['.'.join(module)]}.{kind}"
+
+
+def write_gguf(
+    path: Path, family: Family, model: torch.nn.Module, quantize: Sequence[gguf.GGMLQuantizationType] = ()
+) -> Path:
+    """`quantize`: the matrices in these types, taken in turn (stacked parts then mix types, as in real files)."""
+    config = model.config
+    types = list(quantize)
+    writer = gguf.GGUFWriter(str(path), family.gguf_arch)
+    _metadata(writer, family)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        values = tensor.float().numpy()
+        if family.gguf_arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            values = _llama_cpp_permute(values, SIZES["num_attention_heads"])
+        elif family.gguf_arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            values = _llama_cpp_permute(values, SIZES["num_key_value_heads"])
+        if types and values.ndim == 2:
+            kind, types = types[0], [*types[1:], types[0]]
+            writer.add_tensor(gguf_tensor_name(name), gguf.quants.quantize(values, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(gguf_tensor_name(name), np.ascontiguousarray(values))
+    if family.name == "llama3":
+        writer.add_tensor("rope_freqs.weight", np.array(_llama3_rope_factors(), dtype=np.float32))
+    if family.name == "phi3":
+        writer.add_tensor("rope_factors_long.weight", np.array(LONGROPE["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(LONGROPE["short_factor"], dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _metadata(w: gguf.GGUFWriter, family: Family) -> None:
+    head_dim = family.options.get("head_dim", HEAD_DIM)
+    w.add_context_length(SIZES["max_position_embeddings"])
+    w.add_embedding_length(SIZES["hidden_size"])
+    w.add_block_count(SIZES["num_hidden_layers"])
+    w.add_feed_forward_length(SIZES["intermediate_size"])
+    w.add_head_count(SIZES["num_attention_heads"])
+    w.add_head_count_kv(SIZES["num_key_value_heads"])
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(SIZES["rms_norm_eps"])
+    w.add_rope_freq_base(10_000.0)
+    if family.sliding_window:
+        w.add_sliding_window(family.sliding_window)
+    if family.name == "phi3":  # the converter's longrope metadata
+        scale = SIZES["max_position_embeddings"] / LONGROPE_ORIGINAL
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(LONGROPE_ORIGINAL)))
+        w.add_rope_scaling_orig_ctx_len(LONGROPE_ORIGINAL)
+    meta = tiny_gguf_metadata()
+    w.add_tokenizer_model("llama")
+    w.add_token_list(meta["tokenizer.ggml.tokens"])
+    w.add_token_scores([-float(i) for i in range(len(meta["tokenizer.ggml.tokens"]))])
+    w.add_token_types(meta["tokenizer.ggml.token_type"])
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _llama3_rope_factors() -> list[float]:
+    """llama.cpp's converter (LlamaModel.generate_extra_tensors): one divisor per frequency."""
+    base, factor = LLAMA3_ROPE["rope_theta"], LLAMA3_ROPE["factor"]
+    low, high = LLAMA3_ROPE["low_freq_factor"], LLAMA3_ROPE["high_freq_factor"]
+    old = LLAMA3_ROPE["original_max_position_embeddings"]
+    freqs = 1.0 / (base ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return factors
