@@ -74,6 +74,22 @@ FAMILIES = [
         },
     ),
 ]
+FAMILIES.append(
+    Family(
+        "gemma2",
+        "gemma2",
+        "gemma2",
+        {
+            "tie_word_embeddings": True,
+            "head_dim": HEAD_DIM,
+            "query_pre_attn_scalar": HEAD_DIM,
+            "attn_logit_softcapping": 0.02,  # small enough to bite on a tiny random model's scores and logits
+            "final_logit_softcapping": 0.5,
+            "sliding_window": 8,
+        },
+        sliding_window=8,
+    )
+)
 BY_NAME = {f.name: f for f in FAMILIES}
 
 
@@ -120,12 +136,20 @@ _BLOCK = {
 }
 
 
-def gguf_tensor_name(name: str) -> str:
+_GEMMA_NORMS = {  # Gemma has a norm after each sublayer too
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+
+
+def gguf_tensor_name(name: str, arch: str) -> str:
     fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
     if name in fixed or name == "lm_head.weight":
         return fixed.get(name, "output.weight")
     _, _, layer, *module, kind = name.split(".")
-    return f"blk.{layer}.{_BLOCK['.'.join(module)]}.{kind}"
+    names = {**_BLOCK, **_GEMMA_NORMS} if arch.startswith("gemma") else _BLOCK
+    return f"blk.{layer}.{names['.'.join(module)]}.{kind}"
 
 
 def write_gguf(
@@ -140,15 +164,19 @@ def write_gguf(
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         values = tensor.float().numpy()
+        if family.gguf_arch.startswith("gemma") and name.endswith("norm.weight"):
+            values = values + 1.0  # llama.cpp stores Gemma's norms as 1 + w
         if family.gguf_arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             values = _llama_cpp_permute(values, SIZES["num_attention_heads"])
         elif family.gguf_arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             values = _llama_cpp_permute(values, SIZES["num_key_value_heads"])
         if types and values.ndim == 2:
             kind, types = types[0], [*types[1:], types[0]]
-            writer.add_tensor(gguf_tensor_name(name), gguf.quants.quantize(values, kind), raw_dtype=kind)
+            writer.add_tensor(
+                gguf_tensor_name(name, family.gguf_arch), gguf.quants.quantize(values, kind), raw_dtype=kind
+            )
         else:
-            writer.add_tensor(gguf_tensor_name(name), np.ascontiguousarray(values))
+            writer.add_tensor(gguf_tensor_name(name, family.gguf_arch), np.ascontiguousarray(values))
     if family.name == "llama3":
         writer.add_tensor("rope_freqs.weight", np.array(_llama3_rope_factors(), dtype=np.float32))
     if family.name == "phi3":
@@ -175,6 +203,9 @@ def _metadata(w: gguf.GGUFWriter, family: Family) -> None:
     w.add_rope_freq_base(10_000.0)
     if family.sliding_window:
         w.add_sliding_window(family.sliding_window)
+    if family.gguf_arch == "gemma2":
+        w.add_attn_logit_softcapping(family.options["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(family.options["final_logit_softcapping"])
     if family.name == "phi3":  # the converter's longrope metadata
         scale = SIZES["max_position_embeddings"] / LONGROPE_ORIGINAL
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(LONGROPE_ORIGINAL)))

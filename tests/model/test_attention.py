@@ -120,10 +120,10 @@ def test_long_prefill_is_split_into_row_slices_with_the_same_bits(monkeypatch: p
 
 
 @pytest.mark.skipif(not ops.paged_attention_available(), reason="no AVX-512 or OpenMP: the torch path only")
-@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (100, None), (None, 0.1)])  # Gemma 2 softcap
 @pytest.mark.parametrize(("hq", "hkv"), [(8, 2), (6, 1), (3, 3)])  # the kernel takes query heads 4 at a time
 def test_c_kernel_matches_float64_softmax_with_grouped_heads_at_the_real_head_size(
-    window: int | None, hq: int, hkv: int
+    window: int | None, softcap: float | None, hq: int, hkv: int
 ) -> None:
     d = 256
     gen = torch.Generator().manual_seed(4)
@@ -133,13 +133,14 @@ def test_c_kernel_matches_float64_softmax_with_grouped_heads_at_the_real_head_si
     q = (torch.randn(300, hq, d, generator=gen) * 0.2).to(torch.bfloat16)
     meta = AttentionMetadata(slot_mapping=slots, query_lens=[300], context_lens=[300], kv_slots=[slots])
     scale = d**-0.5
-    got = paged_attention(q, k_cache[slots], v_cache[slots], (k_cache, v_cache), meta, scale, window).double()
+    got = paged_attention(q, k_cache[slots], v_cache[slots], (k_cache, v_cache), meta, scale, window, softcap)
     keys, values = k_cache[slots].double(), v_cache[slots].double()  # (L, Hkv, D)
     for end in (1, 2, 17, 150, 300):
         lo = max(0, end - window) if window else 0
         for h in range(hq):
             kv = h // (hq // hkv)
-            weights = F.softmax(q[end - 1, h].double() @ keys[lo:end, kv].T * scale, dim=-1)
+            scores = q[end - 1, h].double() @ keys[lo:end, kv].T * scale
+            weights = F.softmax(softcap * torch.tanh(scores / softcap) if softcap else scores, dim=-1)
             expected = weights @ values[lo:end, kv]
             # float32 arithmetic, then the output rounded to bf16 (2^-8 relative)
-            assert (got[end - 1, h] - expected).abs().le(2.0**-8 * expected.abs() + 1e-4).all(), (end, h)
+            assert (got[end - 1, h].double() - expected).abs().le(2.0**-8 * expected.abs() + 1e-4).all(), (end, h)

@@ -63,7 +63,10 @@ SIGNATURES: dict[str, tuple[CType | None, list[CType]]] = {
     "gguf_packed_bytes": (_I64, [_INT, _I64, _I64]),
     "gguf_repack": (_INT, [_INT, _PTR, _I64, _I64, _PTR, _INT]),
     "paged_attention_available": (_INT, []),
-    "paged_attention": (_INT, [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _F32, _PTR, _INT]),
+    "paged_attention": (
+        _INT,
+        [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _F32, _F32, _PTR, _INT],
+    ),
     "argmax_available": (_INT, []),
     "argmax_rows": (_INT, [_PTR, _I64, _I64, _PTR, _INT]),
     "gelu_mul_available": (_INT, []),

@@ -43,7 +43,7 @@ int gguf_matmul(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, int t
 int paged_attention_available(void);
 int paged_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                     const int64_t *slots, const int64_t *offset, const int64_t *count, int64_t rows, int64_t hq,
-                    int64_t hkv, int64_t d, float scale, uint16_t *out, int threads);
+                    int64_t hkv, int64_t d, float scale, float softcap, uint16_t *out, int threads);
 
 int argmax_available(void);
 int argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out, int threads);

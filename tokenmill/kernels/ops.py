@@ -167,8 +167,10 @@ def paged_attention(
     offset: torch.Tensor,
     count: torch.Tensor,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """q (T, Hq, D) bf16; caches (slots, Hkv, D) bf16; row r attends to slots[offset[r] : offset[r] + count[r]]."""
+    """q (T, Hq, D) bf16; caches (slots, Hkv, D) bf16; row r attends to slots[offset[r] : offset[r] + count[r]].
+    `softcap`: scores become softcap * tanh(score / softcap) before the softmax (Gemma 2)."""
     t, hq, d = q.shape
     if q.stride(2) != 1 or q.stride(1) != d:
         q = q.contiguous()
@@ -186,6 +188,7 @@ def paged_attention(
         k_cache.shape[1],
         d,
         scale,
+        softcap or 0.0,
         out.data_ptr(),
         torch.get_num_threads(),
     ):

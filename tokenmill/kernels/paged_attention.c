@@ -6,7 +6,7 @@
  * Batch invariance: each (query row, head) is computed from its own query and the keys it sees, by the same loops
  * whatever else is in the call: a row gets the same bits decoded alone, beside other sequences, or inside a prompt's
  * prefill. Arithmetic in float32: s_j = scale * q . k_j (16 partial sums per dot, reduced in a fixed order),
- * p_j = exp(s_j - max s), out = (sum_j p_j v_j) / (sum_j p_j), rounded to bfloat16 (nearest even). The query heads
+ * (softcap > 0, Gemma 2: s_j = softcap * tanh(s_j / softcap)), p_j = exp(s_j - max s), out = (sum_j p_j v_j) / (sum_j p_j), rounded to bfloat16 (nearest even). The query heads
  * that share a KV head are computed together, which shares the loads of their keys and values, not their numbers.
  *
  * Row r sees the keys at cache slots slots[offset[r]], ..., slots[offset[r] + count[r] - 1] (its visible positions,
@@ -33,7 +33,7 @@ int paged_attention_available(void) { return 1; }
 #define GROUP 4
 static inline __attribute__((always_inline)) void attend_group(
     const uint16_t *q, int64_t q_head_stride, const uint16_t *k_cache, const uint16_t *v_cache,
-    const int64_t *slots, int64_t count, int64_t slot_stride, int64_t d, float scale, float *scores,
+    const int64_t *slots, int64_t count, int64_t slot_stride, int64_t d, float scale, float softcap, float *scores,
     uint16_t *out, const int GS) {
     __m512 qf[GROUP][MAX_ATTENTION_HEAD_DIM / 16];
     int64_t lanes = d / 16;
@@ -68,6 +68,9 @@ static inline __attribute__((always_inline)) void attend_group(
         }
         for (int g = 0; g < GS; g++) s[g][j] = _mm512_reduce_add_ps(a0[g]) * scale;
     }
+    if (softcap > 0) /* Gemma 2: s_j = softcap * tanh(s_j / softcap), before the softmax */
+        for (int g = 0; g < GS; g++)
+            for (int64_t t = 0; t < count; t++) s[g][t] = softcap * tanhf(s[g][t] / softcap);
     float inv[GROUP];
     for (int g = 0; g < GS; g++) { /* p_j = exp(s_j - max), in place; inv = 1 / sum p */
         __m512 top = _mm512_set1_ps(-INFINITY);
@@ -111,7 +114,7 @@ static inline __attribute__((always_inline)) void attend_group(
  * for an unsupported head size or no memory for the scores. */
 int paged_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                     const int64_t *slots, const int64_t *offset, const int64_t *count, int64_t rows, int64_t hq,
-                    int64_t hkv, int64_t d, float scale, uint16_t *out, int threads) {
+                    int64_t hkv, int64_t d, float scale, float softcap, uint16_t *out, int threads) {
     if (d % 16 || d > MAX_ATTENTION_HEAD_DIM || hq % hkv) return -1;
     int64_t longest = 1, group = hq / hkv, parts = (group + GROUP - 1) / GROUP;
     for (int64_t r = 0; r < rows; r++) longest = count[r] > longest ? count[r] : longest;
@@ -129,10 +132,10 @@ int paged_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache
             const int64_t *sl = slots + offset[r];
             uint16_t *o = out + (r * hq + h) * d;
             switch (gs) {
-                case 1: attend_group(qh, d, kc, vc, sl, count[r], hkv * d, d, scale, scores, o, 1); break;
-                case 2: attend_group(qh, d, kc, vc, sl, count[r], hkv * d, d, scale, scores, o, 2); break;
-                case 3: attend_group(qh, d, kc, vc, sl, count[r], hkv * d, d, scale, scores, o, 3); break;
-                default: attend_group(qh, d, kc, vc, sl, count[r], hkv * d, d, scale, scores, o, 4); break;
+                case 1: attend_group(qh, d, kc, vc, sl, count[r], hkv * d, d, scale, softcap, scores, o, 1); break;
+                case 2: attend_group(qh, d, kc, vc, sl, count[r], hkv * d, d, scale, softcap, scores, o, 2); break;
+                case 3: attend_group(qh, d, kc, vc, sl, count[r], hkv * d, d, scale, softcap, scores, o, 3); break;
+                default: attend_group(qh, d, kc, vc, sl, count[r], hkv * d, d, scale, softcap, scores, o, 4); break;
             }
         }
         free(scores);
@@ -144,9 +147,9 @@ int paged_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache
 int paged_attention_available(void) { return 0; }
 int paged_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                     const int64_t *slots, const int64_t *offset, const int64_t *count, int64_t rows, int64_t hq,
-                    int64_t hkv, int64_t d, float scale, uint16_t *out, int threads) {
+                    int64_t hkv, int64_t d, float scale, float softcap, uint16_t *out, int threads) {
     (void)q, (void)q_stride, (void)k_cache, (void)v_cache, (void)slots, (void)offset, (void)count, (void)rows;
-    (void)hq, (void)hkv, (void)d, (void)scale, (void)out, (void)threads;
+    (void)hq, (void)hkv, (void)d, (void)scale, (void)softcap, (void)out, (void)threads;
     return -1;
 }
 #endif

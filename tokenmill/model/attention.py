@@ -171,34 +171,36 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend every query row over its own visible cached keys."""
+    """Write this step's K/V into the cache, then attend every query row over its own visible cached keys.
+    `softcap`: Gemma 2's scores, softcap * tanh(score / softcap), before the softmax."""
     k_cache, v_cache = kv_cache
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     t, hq, d = q.shape
     if ops.usable(q) and d % 16 == 0 and d <= ops.MAX_ATTENTION_HEAD_DIM and ops.paged_attention_available():
         keys = meta.key_lists(window)
-        return ops.paged_attention(q, k_cache, v_cache, keys.slots, keys.offset, keys.count, scale)
+        return ops.paged_attention(q, k_cache, v_cache, keys.slots, keys.offset, keys.count, scale, softcap)
     batches = meta.row_batches(window, hq * d)
     if len(batches) == 1 and len(batches[0].rows) == t:  # one batch holds every row, in order (a pure decode step)
-        return _attend(q, k_cache, v_cache, batches[0], scale).reshape(t, hq, d).to(q.dtype)
+        return _attend(q, k_cache, v_cache, batches[0], scale, softcap).reshape(t, hq, d).to(q.dtype)
     out = torch.empty_like(q)
     for batch in batches:
-        o = _attend(q.index_select(0, batch.rows), k_cache, v_cache, batch, scale)
+        o = _attend(q.index_select(0, batch.rows), k_cache, v_cache, batch, scale, softcap)
         out.index_copy_(0, batch.rows, o.reshape(-1, hq, d).to(q.dtype))
     return out
 
 
 def _attend(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: RowBatch, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: RowBatch, scale: float, softcap: float | None
 ) -> torch.Tensor:
     hkv, (_, hq, d) = k_cache.shape[1], q.shape
     rows = q.view(-1, batch.num_rows, hkv, hq // hkv, d)  # (B, M, Hkv, G, D)
     slots = batch.key_slots.view(-1)  # index_select copies whole rows; fancy indexing goes element by element
     keys = k_cache.index_select(0, slots).view(*batch.key_slots.shape, hkv, d)
     values = v_cache.index_select(0, slots).view(*batch.key_slots.shape, hkv, d)
-    return attend_rows(rows, keys, values, batch.hidden(hq // hkv), scale)
+    return attend_rows(rows, keys, values, batch.hidden(hq // hkv), scale, softcap)
 
 
 def attend_rows(
@@ -207,6 +209,7 @@ def attend_rows(
     values: torch.Tensor,  # (B, L, Hkv, D)
     hidden: torch.Tensor,  # (B, 1, n, R, CHUNK) bool, True for keys a row must not see (RowBatch.hidden)
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Softmax attention of each row over its visible keys in float32; returns (B, M, Hkv, G, D)."""
     b, m, hkv, g, d = q.shape
@@ -218,6 +221,8 @@ def attend_rows(
     kc = keys.float().view(b, n, CHUNK, hkv, d).permute(0, 3, 1, 2, 4)  # (B, Hkv, n, C, D)
     vc = values.float().view(b, n, CHUNK, hkv, d).permute(0, 3, 1, 2, 4)  # (B, Hkv, n, C, D)
     scores = torch.matmul(qh, kc.transpose(-1, -2)).mul_(scale)  # (B, Hkv, n, R, C)
+    if softcap:
+        scores = scores.div_(softcap).tanh_().mul_(softcap)
     scores.masked_fill_(hidden, float("-inf"))
     weights = scores.sub_(scores.amax(dim=(2, 4), keepdim=True)).exp_()  # masked keys: exact zeros
     denom = weights.sum(-1, keepdim=True).cumsum(2)[:, :, -1:]  # (B, Hkv, 1, R, 1): chunks added in position order

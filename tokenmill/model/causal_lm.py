@@ -69,11 +69,14 @@ class CausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: (N, H) → float32 logits (N, V)."""
+        """hidden: (N, H) → float32 logits (N, V) (Gemma 2's soft-capped: cap * tanh(logits / cap))."""
         if self.lm_head is not None:
-            return float32_product(self.lm_head, hidden)
-        tied = cast(torch.Tensor, self.model.embed_tokens.weight)  # no head of its own: the table is an nn.Embedding
-        return F.linear(hidden, tied).float()
+            logits = float32_product(self.lm_head, hidden)
+        else:
+            tied = cast(torch.Tensor, self.model.embed_tokens.weight)  # no head of its own: the table's nn.Embedding
+            logits = F.linear(hidden, tied).float()
+        cap = self.config.final_logit_softcapping
+        return logits if not cap else logits.div_(cap).tanh_().mul_(cap)
 
     def weight_bytes_per_token(self) -> int:
         """The bytes of weights one decode step reads: every parameter and buffer once (a tensor that two modules

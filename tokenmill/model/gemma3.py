@@ -1,7 +1,9 @@
-"""Gemma 3 (text) in plain PyTorch, with Hugging Face parameter names so checkpoints load as they are.
+"""Gemma 3 (text) and Gemma 2 in plain PyTorch, with Hugging Face parameter names so checkpoints load as they are.
 
 Per layer: sliding-window (local, rope base 10k) or global attention (rope base 1M), q/k RMSNorm, norms before and
 after both attention and MLP, GELU-tanh gated MLP. Embeddings are scaled by sqrt(hidden); the LM head is tied.
+Gemma 2 is the same but for: no q/k norms, one rope base, sliding and global layers alternating, and soft-capped
+attention scores and logits (cap * tanh(x / cap)).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from torch import nn
 
 from tokenmill.model.attention import AttentionMetadata, paged_attention
 from tokenmill.model.causal_lm import CausalLM, DecoderModel, KVCache, Rope
-from tokenmill.model.layers import RMSNorm, Rotary, gelu_mul, norm_rotary
+from tokenmill.model.layers import RMSNorm, Rotary, apply_rotary, gelu_mul, norm_rotary
 from tokenmill.model.model_config import ModelConfig
 
 
@@ -23,28 +25,31 @@ class Gemma3Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.window = cfg.sliding_window if cfg.is_sliding(layer) else None
         self.scale = cfg.attn_scale
+        self.softcap = cfg.attn_logit_softcapping
         self.eps = cfg.rms_norm_eps
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=False)  # q, k, v stacked: one matmul
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset=1.0)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset=1.0)
+        self.qk_norm = cfg.architecture == "gemma3"
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset=1.0) if self.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset=1.0) if self.qk_norm else None
         self._qk_factor: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         t, heads, d = x.shape[0], self.num_heads + self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
         qk = qkv[:, : heads * d].view(t, heads, d)  # q heads then k heads: normed and rotated together
-        qk = norm_rotary(qk, self.qk_factor, self.eps, *rope)
+        qk = norm_rotary(qk, self.qk_factor, self.eps, *rope) if self.qk_norm else apply_rotary(qk, *rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, heads * d :].view(t, self.num_kv_heads, d)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.window)  # (T, Hq, D)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.window, self.softcap)  # (T, Hq, D)
         return self.o_proj(out.reshape(t, self.num_heads * d))
 
     @property
     def qk_factor(self) -> torch.Tensor:
         """(Hq + Hkv, D) float32: each q head's and k head's RMSNorm factor, stacked like the heads."""
         if self._qk_factor is None:
+            assert self.q_norm is not None and self.k_norm is not None
             q, k = self.q_norm.factor, self.k_norm.factor
             self._qk_factor = torch.cat([q.expand(self.num_heads, -1), k.expand(self.num_kv_heads, -1)])
         return self._qk_factor

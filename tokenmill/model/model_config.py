@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # GGUF's `general.architecture` names (Mistral files say "llama"); config.json's model_type maps onto them (hf_dir.py)
-SUPPORTED_ARCHITECTURES = ("gemma3", "llama", "qwen2", "qwen3", "phi3")
+SUPPORTED_ARCHITECTURES = ("gemma3", "gemma2", "llama", "qwen2", "qwen3", "phi3")
 
 
 class UnsupportedModelError(ValueError):
@@ -53,6 +53,8 @@ class ModelConfig:
     mlp_bias: bool = False  # gate/up/down have biases (Llama's mlp_bias)
     qk_norm: bool = False  # each q and k head RMS-normed before the rotary (Qwen3)
     rope: RopeScaling | None = None  # frequency scaling beyond linear (Llama 3, Phi-3's longrope)
+    attn_logit_softcapping: float | None = None  # Gemma 2: scores become cap * tanh(score / cap)
+    final_logit_softcapping: float | None = None  # Gemma 2: logits likewise
     name: str = ""
 
     def __post_init__(self) -> None:

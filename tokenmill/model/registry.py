@@ -17,6 +17,7 @@ from tokenmill.model.model_config import ModelConfig, UnsupportedModelError
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     "gemma3": Gemma3ForCausalLM,
+    "gemma2": Gemma3ForCausalLM,  # the same layers without q/k norms, with soft-capping (gemma3.py)
     "llama": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,

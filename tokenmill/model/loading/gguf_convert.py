@@ -61,6 +61,7 @@ _PHI3_BLOCK = {  # q/k/v and gate/up fused in the file, as in the checkpoint (ff
 }
 _BLOCKS = {
     "gemma3": _GEMMA3_BLOCK,
+    "gemma2": _GEMMA3_BLOCK,  # without the q/k norms
     "llama": _LLAMA_BLOCK,
     "qwen2": _LLAMA_BLOCK,
     "qwen3": _QWEN3_BLOCK,
@@ -179,8 +180,8 @@ def gguf_config(meta: dict[str, Any], tensors: list[GgufTensor]) -> ModelConfig:
         "rope_scaling_factor": _rope_scaling(arch, key("rope.scaling.type"), key("rope.scaling.factor")),
         "name": str(meta.get("general.name", "")),
     }
-    if arch == "gemma3":
-        return _gemma3_config(common, key)
+    if arch in ("gemma3", "gemma2"):
+        return _gemma_config(common, key, arch)
     sliding = key("attention.sliding_window")
     layer_types = ("sliding_attention",) * common["num_layers"] if sliding else ()
     return ModelConfig(
@@ -225,10 +226,20 @@ def _f32(value: Any) -> float:
     return float(str(np.float32(value)))
 
 
-def _gemma3_config(common: dict[str, Any], key: Callable[..., Any]) -> ModelConfig:
+def _gemma_config(common: dict[str, Any], key: Callable[..., Any], arch: str) -> ModelConfig:
     layers, hidden, heads = common["num_layers"], common["hidden_size"], common["num_heads"]
-    # llama.cpp: the 27B (62 layers) scales queries by hidden/heads, every other size by head_dim
-    scalar = hidden // heads if layers == 62 else common["head_dim"]
+    # llama.cpp: the 27B (46 layers in Gemma 2, 62 in Gemma 3) scales queries by hidden/heads, other sizes by head_dim
+    scalar = hidden // heads if layers == (62 if arch == "gemma3" else 46) else common["head_dim"]
+    if arch == "gemma2":  # sliding and global layers alternate, one rope base, soft-capped scores and logits
+        return ModelConfig(
+            **common,
+            rope_theta=_f32(key("rope.freq_base", 10_000.0)),
+            sliding_window=int(key("attention.sliding_window", 4096)),
+            layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)),
+            query_pre_attn_scalar=float(scalar),
+            attn_logit_softcapping=_optional_f32(key("attn_logit_softcapping")),
+            final_logit_softcapping=_optional_f32(key("final_logit_softcapping")),
+        )
     return ModelConfig(
         **common,
         rope_theta=_f32(key("rope.freq_base", 1_000_000.0)),
@@ -237,6 +248,10 @@ def _gemma3_config(common: dict[str, Any], key: Callable[..., Any]) -> ModelConf
         layer_types=tuple("full_attention" if i % 6 == 5 else "sliding_attention" for i in range(layers)),
         query_pre_attn_scalar=float(scalar),
     )
+
+
+def _optional_f32(value: Any) -> float | None:
+    return None if value is None else _f32(value)
 
 
 def _rope_scaling(arch: str, kind: Any, factor: Any) -> float:
@@ -271,7 +286,7 @@ def _convert_tensors(tensors: list[GgufTensor], config: ModelConfig, bar: tqdm) 
 
 
 def _to_hf_convention(name: str, weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:
-    if config.architecture == "gemma3" and name.endswith("norm.weight"):
+    if config.architecture in ("gemma3", "gemma2") and name.endswith("norm.weight"):
         return weight - 1.0  # stored as w + 1
     if config.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
         return unpermute_rotary(weight, config.num_heads)

@@ -16,6 +16,7 @@ from tokenmill.model.model_config import ModelConfig, RopeScaling, UnsupportedMo
 MODEL_TYPES = {
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
+    "gemma2": "gemma2",
     "llama": "llama",
     "mistral": "llama",
     "qwen2": "qwen2",
@@ -44,7 +45,9 @@ def read_hf_config(path: Path) -> ModelConfig:
         model_type = "gemma3_text"
     arch = MODEL_TYPES[model_type]
     common = _common_fields(raw, arch, path.name)
-    return _gemma3_config(raw, common) if arch == "gemma3" else _llama_config(raw, common, model_type)
+    if arch == "gemma3":
+        return _gemma3_config(raw, common)
+    return _gemma2_config(raw, common) if arch == "gemma2" else _llama_config(raw, common, model_type)
 
 
 def _common_fields(raw: dict[str, Any], arch: str, name: str) -> dict[str, Any]:
@@ -60,7 +63,7 @@ def _common_fields(raw: dict[str, Any], arch: str, name: str) -> dict[str, Any]:
         "head_dim": raw.get("head_dim") or hidden // heads,
         "rms_norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
         "max_position_embeddings": raw.get("max_position_embeddings", 2048),
-        "tie_word_embeddings": bool(raw.get("tie_word_embeddings", arch == "gemma3")),
+        "tie_word_embeddings": bool(raw.get("tie_word_embeddings", arch.startswith("gemma"))),
         "name": name,
     }
 
@@ -79,6 +82,23 @@ def _gemma3_config(raw: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
         sliding_window=raw.get("sliding_window", 4096),
         layer_types=tuple(raw.get("layer_types") or default_types),
         query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)),
+    )
+
+
+def _gemma2_config(raw: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+    """Gemma 2: sliding and global layers alternating (sliding first), one rope base, soft-capped scores and logits."""
+    layers = common["num_layers"]
+    default_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    params = _rope_params(raw, None)
+    return ModelConfig(
+        **common,
+        rope_theta=float(params.get("rope_theta", raw.get("rope_theta", 10_000.0))),
+        rope_scaling_factor=_linear_factor(params or raw.get("rope_scaling")),
+        sliding_window=raw.get("sliding_window", 4096),
+        layer_types=tuple(raw.get("layer_types") or default_types),
+        query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)),
+        attn_logit_softcapping=raw.get("attn_logit_softcapping"),
+        final_logit_softcapping=raw.get("final_logit_softcapping"),
     )
 
 
