@@ -90,6 +90,7 @@ FAMILIES.append(
         sliding_window=8,
     )
 )
+FAMILIES.append(Family("starcoder2", "starcoder2", "starcoder2", {"tie_word_embeddings": True, "norm_epsilon": 1e-5}))
 BY_NAME = {f.name: f for f in FAMILIES}
 
 
@@ -133,6 +134,8 @@ _BLOCK = {
     "mlp.up_proj": "ffn_up",
     "mlp.gate_up_proj": "ffn_up",  # Phi-3: gate then up, one tensor
     "mlp.down_proj": "ffn_down",
+    "mlp.c_fc": "ffn_up",  # StarCoder2
+    "mlp.c_proj": "ffn_down",
 }
 
 
@@ -144,7 +147,11 @@ _GEMMA_NORMS = {  # Gemma has a norm after each sublayer too
 
 
 def gguf_tensor_name(name: str, arch: str) -> str:
-    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    fixed = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "model.norm.bias": "output_norm.bias",
+    }
     if name in fixed or name == "lm_head.weight":
         return fixed.get(name, "output.weight")
     _, _, layer, *module, kind = name.split(".")

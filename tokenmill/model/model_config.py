@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # GGUF's `general.architecture` names (Mistral files say "llama"); config.json's model_type maps onto them (hf_dir.py)
-SUPPORTED_ARCHITECTURES = ("gemma3", "gemma2", "llama", "qwen2", "qwen3", "phi3")
+SUPPORTED_ARCHITECTURES = ("gemma3", "gemma2", "llama", "qwen2", "qwen3", "phi3", "starcoder2")
 
 
 class UnsupportedModelError(ValueError):
@@ -39,7 +39,7 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rms_norm_eps: float
+    rms_norm_eps: float  # the norms' epsilon (StarCoder2's are layer norms)
     rope_theta: float  # global (full-attention) layers
     max_position_embeddings: int
     tie_word_embeddings: bool = True

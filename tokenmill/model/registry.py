@@ -14,6 +14,7 @@ from tokenmill.model.gguf_linear import GgufWeight, adopt_gguf
 from tokenmill.model.linear import adopt_prepared
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.model_config import ModelConfig, UnsupportedModelError
+from tokenmill.model.starcoder2 import Starcoder2ForCausalLM
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     "gemma3": Gemma3ForCausalLM,
@@ -22,6 +23,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
     "phi3": LlamaForCausalLM,
+    "starcoder2": Starcoder2ForCausalLM,
 }
 
 

@@ -59,6 +59,16 @@ _PHI3_BLOCK = {  # q/k/v and gate/up fused in the file, as in the checkpoint (ff
     "ffn_up": "mlp.gate_up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_STARCODER2_BLOCK = {  # layer norms (weight and bias), a plain MLP
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_up": "mlp.c_fc",
+    "ffn_down": "mlp.c_proj",
+}
 _BLOCKS = {
     "gemma3": _GEMMA3_BLOCK,
     "gemma2": _GEMMA3_BLOCK,  # without the q/k norms
@@ -66,6 +76,7 @@ _BLOCKS = {
     "qwen2": _LLAMA_BLOCK,
     "qwen3": _QWEN3_BLOCK,
     "phi3": _PHI3_BLOCK,
+    "starcoder2": _STARCODER2_BLOCK,
 }
 _GLOBALS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # rotary scaling factors a file holds as tensors: read into ModelConfig.rope, not weights of the model
@@ -174,7 +185,7 @@ def gguf_config(meta: dict[str, Any], tensors: list[GgufTensor]) -> ModelConfig:
         "num_heads": heads,
         "num_kv_heads": int(key("attention.head_count_kv", heads)),
         "head_dim": int(key("attention.key_length", hidden // heads)),
-        "rms_norm_eps": _f32(key("attention.layer_norm_rms_epsilon")),
+        "rms_norm_eps": _f32(key("attention.layer_norm_rms_epsilon", key("attention.layer_norm_epsilon"))),
         "max_position_embeddings": int(key("context_length")),
         "tie_word_embeddings": "output.weight" not in tensor_shapes,
         "rope_scaling_factor": _rope_scaling(arch, key("rope.scaling.type"), key("rope.scaling.factor")),

@@ -22,6 +22,7 @@ MODEL_TYPES = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "phi3": "phi3",
+    "starcoder2": "starcoder2",
 }
 # prefixes multimodal Gemma 3 checkpoints put before the text model's names
 _PREFIXES = (
@@ -61,7 +62,7 @@ def _common_fields(raw: dict[str, Any], arch: str, name: str) -> dict[str, Any]:
         "num_heads": heads,
         "num_kv_heads": raw.get("num_key_value_heads") or heads,
         "head_dim": raw.get("head_dim") or hidden // heads,
-        "rms_norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
+        "rms_norm_eps": float(raw.get("rms_norm_eps", raw.get("norm_epsilon", 1e-6))),
         "max_position_embeddings": raw.get("max_position_embeddings", 2048),
         "tie_word_embeddings": bool(raw.get("tie_word_embeddings", arch.startswith("gemma"))),
         "name": name,
@@ -103,12 +104,13 @@ def _gemma2_config(raw: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
 
 
 def _llama_config(raw: dict[str, Any], common: dict[str, Any], model_type: str) -> ModelConfig:
-    """Llama, Mistral, Qwen2, Qwen3 and Phi-3: one decoder with the members' options (llama.py)."""
+    """Llama, Mistral, Qwen2, Qwen3 and Phi-3: one decoder with the members' options (llama.py); StarCoder2 shares
+    its attention (starcoder2.py), with biases everywhere where `use_bias` (its default)."""
     if raw.get("partial_rotary_factor", (raw.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)) != 1.0:
         raise UnsupportedModelError(f"{model_type} with a partial rotary (partial_rotary_factor) is not supported")
     params = _rope_params(raw, None)
     scaling = params or raw.get("rope_scaling") or {}
-    attention_bias = bool(raw.get("attention_bias") or False)
+    attention_bias = bool(raw.get("attention_bias") or raw.get("use_bias", model_type == "starcoder2"))
     return ModelConfig(
         **common,
         rope_theta=float(params.get("rope_theta", raw.get("rope_theta", 10_000.0))),
@@ -117,7 +119,7 @@ def _llama_config(raw: dict[str, Any], common: dict[str, Any], model_type: str) 
         **_windows(raw, model_type, common["num_layers"]),
         attention_bias=attention_bias or model_type == "qwen2",  # Qwen2's q/k/v always have biases
         output_bias=attention_bias and model_type != "qwen2",
-        mlp_bias=bool(raw.get("mlp_bias") or False),
+        mlp_bias=bool(raw.get("mlp_bias") or (model_type == "starcoder2" and attention_bias)),
         qk_norm=model_type == "qwen3",
     )
 
