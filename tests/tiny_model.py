@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from tokenmill.tokenizer import Tokenizer
+from tokenmill.tokenizer.fim import FimStyle
 from tokenmill.tokenizer.gguf import build_gguf_tokenizer
 
 CONTROL = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
@@ -141,9 +142,9 @@ def write_tiny_model(directory: str | Path, seed: int = 0) -> Path:
     return directory
 
 
-def write_tokenizer_files(directory: Path, max_length: int) -> None:
-    """The tiny tokenizer as tokenizer.json + tokenizer_config.json + generation_config.json."""
-    tiny_tokenizer().backend.save(str(directory / "tokenizer.json"))
+def write_tokenizer_files(directory: Path, max_length: int, tokenizer: Tokenizer | None = None) -> None:
+    """The tiny tokenizer (or a variant of it) as tokenizer.json + tokenizer_config.json + generation_config.json."""
+    (tokenizer or tiny_tokenizer()).backend.save(str(directory / "tokenizer.json"))
     tok_config = {
         "tokenizer_class": "GemmaTokenizer",
         "bos_token": "<bos>",
@@ -237,3 +238,13 @@ def _write_gguf_metadata(w: gguf.GGUFWriter, config: dict[str, Any]) -> None:
     w.add_unk_token_id(3)
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
+
+
+def tiny_fim_tokenizer(style: FimStyle) -> Tokenizer:
+    """The tiny tokenizer with a code model's fill-in-the-middle tokens in place of its last <unusedN> slots (control
+    tokens, as real vocabularies hold them), so the vocabulary keeps the tiny models' size."""
+    meta = tiny_gguf_metadata()
+    names = [style.prefix, style.suffix, style.middle, *style.ends]
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    tokens[len(tokens) - len(names) :] = names
+    return Tokenizer(*build_gguf_tokenizer({**meta, "tokenizer.ggml.tokens": tokens}))

@@ -26,6 +26,11 @@ class CharTokenizer:
     pad_token, bos_token, eos_token = SPECIALS
     add_bos = True
     vocab_size = len(SPECIALS) + len(CHARS)
+    supports_fim = False  # the fast tier's FIM tests run the real engine on tiny FIM tokenizers
+    fim_end_ids: tuple[int, ...] = ()
+
+    def encode_infill(self, prefix: str, suffix: str) -> list[int]:
+        raise ValueError("no fill-in-the-middle tokens")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = [self.bos_id] if add_special_tokens else []

@@ -32,6 +32,11 @@ class ByteTokenizer:
     pad_token, eos_token, bos_token = "<pad>", "<eos>", "<bos>"
     add_bos = True
     eos_ids = (1,)
+    supports_fim = False
+    fim_end_ids: tuple[int, ...] = ()
+
+    def encode_infill(self, prefix: str, suffix: str) -> list[int]:
+        raise ValueError("no fill-in-the-middle tokens")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = [NUM_SPECIAL + b for b in text.encode("utf-8")]

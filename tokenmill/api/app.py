@@ -126,7 +126,9 @@ async def retrieve_model(request: Request, model_id: str) -> dict[str, Any]:
 
 def _model_card(request: Request) -> dict[str, Any]:
     engine = _engine(request)
-    return protocol.model_card(engine.model_name, request.app.state.created, engine.max_model_len)
+    return protocol.model_card(
+        engine.model_name, request.app.state.created, engine.max_model_len, engine.tokenizer.supports_fim
+    )
 
 
 @router.get("/health")

@@ -8,6 +8,7 @@ aborts the requests. Stop strings, EOS, max_tokens and UTF-8-safe text are the e
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import time
@@ -44,7 +45,15 @@ class Tokenizer(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
+    @property
+    def supports_fim(self) -> bool: ...
+
+    @property
+    def fim_end_ids(self) -> tuple[int, ...]: ...
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def encode_infill(self, prefix: str, suffix: str) -> list[int]: ...
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
 
@@ -82,7 +91,11 @@ def prepare_prompts(request: CompletionRequest, engine: Engine, max_tokens: int)
             raise invalid_request(
                 f"'logit_bias' token id {key} is outside the vocabulary [0, {vocab_size})", "logit_bias"
             )
-    prompts = [_prompt(item, tokenizer, bool(request.echo)) for item in _prompt_items(request.prompt)]
+    items = _prompt_items(request.prompt)
+    if request.suffix:
+        prompts = [_infill_prompt(item, request.suffix, tokenizer) for item in items]
+    else:
+        prompts = [_prompt(item, tokenizer, bool(request.echo)) for item in items]
     for prompt in prompts:
         if len(prompt.token_ids) + max_tokens > engine.max_model_len:
             raise context_length_exceeded(engine.max_model_len, len(prompt.token_ids), max_tokens)
@@ -109,6 +122,16 @@ def _prompt(item: str | list[int], tokenizer: Tokenizer, echo: bool) -> Prompt:
             f"'prompt' token id {bad} is outside the vocabulary [0, {tokenizer.vocab_size})", "prompt"
         )
     return Prompt(list(item), tokenizer.decode(item) if echo else "")
+
+
+def _infill_prompt(item: str | list[int], suffix: str, tokenizer: Tokenizer) -> Prompt:
+    """The prompt is the text before the gap, `suffix` the text after it: the model's fill-in-the-middle layout
+    (tokenizer/fim.py). echo returns the prompt as sent."""
+    if not tokenizer.supports_fim:
+        raise invalid_request("'suffix' is not supported: this model has no fill-in-the-middle tokens", "suffix")
+    if not isinstance(item, str):
+        raise invalid_request("'suffix' needs the prompt as text, not token ids", "suffix")
+    return Prompt(tokenizer.encode_infill(item, suffix), item)
 
 
 def _document_start(tokenizer: Tokenizer) -> list[int]:
@@ -183,6 +206,8 @@ class Completion:
         self.engine = engine
         self.limits = limits or RequestLimits()
         self.params = request.to_sampling_params()
+        if request.suffix and engine.tokenizer.supports_fim:  # a filled-in middle ends at the model's end tokens
+            self.params = dataclasses.replace(self.params, stop_token_ids=engine.tokenizer.fim_end_ids)
         self.limits.check_counts(len(_prompt_items(request.prompt)), self.params.n)
         self.prompts = prepare_prompts(request, engine, self.params.max_tokens)
         self.limits.check_prompt_tokens([len(p.token_ids) for p in self.prompts])

@@ -104,8 +104,6 @@ class CompletionRequest(_Strict):
 
     @model_validator(mode="after")
     def _cross_field(self) -> CompletionRequest:
-        if self.suffix:
-            raise invalid_request("'suffix' is not supported: this model has no fill-in-the-middle tokens", "suffix")
         if self.stream_options is not None and not self.stream:
             raise invalid_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
         if self.best_of is not None and self.best_of < self.num_choices:
@@ -268,13 +266,15 @@ def completion_chunk(
     return chunk
 
 
-def model_card(model_id: str, created: int, max_model_len: int) -> dict[str, Any]:
+def model_card(model_id: str, created: int, max_model_len: int, supports_suffix: bool) -> dict[str, Any]:
+    """OpenAI's model object, plus vLLM's max_model_len and whether `suffix` (fill-in-the-middle) works."""
     return {
         "id": model_id,
         "object": "model",
         "created": created,
         "owned_by": "tokenmill",
         "max_model_len": max_model_len,
+        "supports_suffix": supports_suffix,
     }
 
 

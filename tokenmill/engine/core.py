@@ -183,7 +183,7 @@ class EngineCore:
             top = [(t, self.token_text(t), lp) for t, lp in result.top]
             entry = TokenLogprob(result.token_id, self.token_text(result.token_id), result.logprob, top)
         seq.append_token(result.token_id, result.logprob, entry)
-        if result.token_id in self.eos_ids:
+        if result.token_id in self.eos_ids or result.token_id in seq.params.stop_token_ids:
             self._finish(seq, FinishReason.STOP)
             return
         seq.pending_text += seq.stop.feed(seq.detok.add(result.token_id))

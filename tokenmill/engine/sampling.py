@@ -19,6 +19,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # Tokens that end the sequence besides the model's EOS (a filled-in middle's end tokens), finish_reason "stop".
+    stop_token_ids: tuple[int, ...] = ()
     # Top-k alternatives to report for each generated token; None: no logprobs wanted (the chosen token's logprob is
     # still tracked, it ranks best_of candidates).
     logprobs: int | None = None

@@ -16,6 +16,7 @@ from typing import Any
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import processors
 
+from tokenmill.tokenizer.fim import FimTokens, find_fim
 from tokenmill.tokenizer.gguf import build_gguf_tokenizer
 from tokenmill.tokenizer.special import SpecialTokens, special_from_dir
 
@@ -32,6 +33,7 @@ class Tokenizer:
         self.bos_id = self._id_of(special.bos_token)
         self.eos_id = self._id_of(special.eos_token)
         self.pad_id = self._id_of(special.pad_token)
+        self.fim: FimTokens | None = find_fim(backend.token_to_id)
         _set_post_processor(backend, special, self.bos_id, self.eos_id)
 
     def _id_of(self, token: str | None) -> int | None:
@@ -69,7 +71,30 @@ class Tokenizer:
         ids = (self._id_of(t) for t in tokens)
         return tuple(dict.fromkeys(i for i in ids if i is not None))
 
+    @property
+    def supports_fim(self) -> bool:
+        return self.fim is not None
+
+    @property
+    def fim_end_ids(self) -> tuple[int, ...]:
+        """The tokens that end a filled-in middle (none without FIM tokens)."""
+        return self.fim.ends if self.fim is not None else ()
+
     # --- encode / decode --------------------------------------------------------------------------------------------
+    def encode_infill(self, prefix: str, suffix: str) -> list[int]:
+        """The fill-in-the-middle prompt (prefix-suffix-middle, tokenizer/fim.py): the model then writes the middle."""
+        if self.fim is None:
+            raise ValueError("this tokenizer has no fill-in-the-middle tokens")
+        start = [self.bos_id] if self.add_bos and self.bos_id is not None else []
+        return [
+            *start,
+            self.fim.prefix,
+            *self.encode(prefix, add_special_tokens=False),
+            self.fim.suffix,
+            *self.encode(suffix, add_special_tokens=False),
+            self.fim.middle,
+        ]
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
