@@ -31,6 +31,8 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 SPLIT_REGEXES = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
+DIGIT_SPLITS = ("starcoder",)  # StarCoder / StarCoder2: each digit its own word, then GPT-2's regex
+NFC_NORMALISED = ("qwen2",)  # Qwen's tokenizer.json normalises to NFC first
 
 
 def build_gguf_tokenizer(meta: Mapping[str, Any]) -> tuple[HFTokenizer, SpecialTokens]:
@@ -93,19 +95,28 @@ def _llama(tokens: list[str], scores: Sequence[float], add_prefix_space: bool) -
 
 
 def _byte_level(tokens: list[str], merges: Sequence[str], pre: str | None) -> tuple[HFTokenizer, dict[str, int]]:
-    """GPT-2-style byte-level BPE (Llama 3, Qwen 2): the file lists its merges."""
+    """GPT-2-style byte-level BPE (Llama 3, Qwen 2, StarCoder2): the file lists its merges; `pre` names the split
+    before the bytes (a regex, or StarCoder's one digit at a time), as the family's own tokenizer.json does it."""
     vocab = {t: i for i, t in enumerate(tokens)}
     pairs = [(left, right) for left, right in (m.split(" ", 1) for m in merges)]
     model = BPE(vocab=vocab, merges=pairs, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
     tok = HFTokenizer(model)
     split = SPLIT_REGEXES.get(pre or "")
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split is None)
-    if split is None:
-        tok.pre_tokenizer = byte_level
-    else:
+    if split is not None:
         tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level]
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
         )
+    elif pre in DIGIT_SPLITS:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        )
+    else:  # GPT-2's own regex
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if pre in NFC_NORMALISED:
+        tok.normalizer = normalizers.NFC()
     tok.decoder = decoders.ByteLevel()
     return tok, vocab
 
