@@ -7,6 +7,7 @@ import dataclasses
 import os
 import types
 import typing
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,7 +25,12 @@ from tokenmill.config import (
 FIELDS = dataclasses.fields(Config)
 HINTS = typing.get_type_hints(Config)
 # Weight-only quantisation needs bfloat16 activations; pinned so the quantization case holds whatever dtype's default is.
-COMPANIONS: dict[str, dict[str, str]] = {"quantization": {"dtype": "bfloat16"}}
+TWO_MODELS = ("a.gguf", "b.gguf")  # what a second name or KV weight needs
+COMPANIONS: dict[str, dict[str, Any]] = {
+    "quantization": {"dtype": "bfloat16"},
+    "served_model_name": {"model": TWO_MODELS},
+    "kv_cache_weights": {"model": TWO_MODELS},
+}
 
 
 @pytest.fixture(autouse=True)
@@ -74,18 +80,18 @@ def other_value(f: dataclasses.Field[Any]) -> Any:
     if kind is str:
         return f"other-{f.name}"
     if kind is tuple:
-        return ("key-a", "key-b")
+        return (1.5, 2.5) if typing.get_args(HINTS[f.name])[0] is float else ("key-a", "key-b")
     raise AssertionError(f"no test value for {f.name}: {HINTS[f.name]}")
 
 
 def as_flags(name: str, value: Any) -> list[str]:
     if isinstance(value, tuple):
-        return [arg for item in value for arg in (flag(name), item)]
+        return [arg for item in value for arg in (flag(name), str(item))]
     return [flag(name), str(value)]
 
 
 def as_env(value: Any) -> str:
-    return ",".join(value) if isinstance(value, tuple) else str(value)
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def assert_typed(f: dataclasses.Field[Any], got: Any, want: Any) -> None:
@@ -93,7 +99,7 @@ def assert_typed(f: dataclasses.Field[Any], got: Any, want: Any) -> None:
     # type(), not isinstance(): a bool would pass for an int
     assert type(got) is scalar_type(HINTS[f.name])
     if isinstance(want, tuple):
-        assert all(type(item) is str for item in got)
+        assert all(type(item) is typing.get_args(HINTS[f.name])[0] for item in got)
 
 
 @pytest.mark.parametrize("f", FIELDS, ids=lambda f: f.name)
@@ -111,7 +117,7 @@ def test_every_field_parses_from_its_env_var_to_its_annotated_type(
     value = other_value(f)
     monkeypatch.setenv(env_var(f.name), as_env(value))
     for name, v in COMPANIONS.get(f.name, {}).items():
-        monkeypatch.setenv(env_var(name), v)
+        monkeypatch.setenv(env_var(name), as_env(v))
     assert_typed(f, getattr(parse([]), f.name), value)
 
 
@@ -245,3 +251,42 @@ def test_an_unsupported_annotation_is_refused_when_the_flags_are_built() -> None
 
     with pytest.raises(TypeError, match="complex"):
         add_settings_arguments(argparse.ArgumentParser(), Odd)
+
+
+# --- several models -----------------------------------------------------------------------------------------------
+def test_one_config_per_model_with_its_name_and_share_of_the_kv_cache(tmp_path: Path) -> None:
+    config = parse(["--model", "a.gguf", "--model", "coder=/models/b", "--model-name", "first", "--kv-cache-mb", "600"])
+    one, two = config.per_model()
+    assert (one.model, one.served_model_name, one.kv_cache_mb) == (("a.gguf",), ("first",), 300)
+    assert (two.model, two.served_model_name, two.kv_cache_mb) == (("/models/b",), ("coder",), 300)
+    weighted = dataclasses.replace(config, kv_cache_weights=(1.0, 2.0)).per_model()
+    assert [c.kv_cache_mb for c in weighted] == [200, 400]
+    assert all(c.kv_cache_weights == () and len(c.model) == 1 for c in weighted)
+    # a path that exists is a path, whatever it holds
+    odd = tmp_path / "x=y.gguf"
+    odd.write_bytes(b"")
+    assert Config(model=str(odd)).per_model()[0].model_path == str(odd)
+    assert Config(model="x=y.gguf").per_model()[0].model == ("y.gguf",)
+
+
+def test_the_default_model_is_one_config_with_no_path() -> None:
+    [only] = Config().per_model()
+    assert only.model == () and only.model_path is None and only.kv_cache_mb == Config().kv_cache_mb
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"model": ("a.gguf",), "served_model_name": ("x", "y")},
+        {"model": ("a.gguf", "b.gguf"), "kv_cache_weights": (1.0,)},
+        {"model": ("a.gguf", "b.gguf"), "kv_cache_weights": (1.0, 0.0)},
+    ],
+)
+def test_names_and_weights_must_match_the_models(changes: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError):
+        Config(**changes)
+
+
+def test_a_config_of_several_models_has_no_single_path() -> None:
+    with pytest.raises(ConfigError, match="per_model"):
+        _ = Config(model=("a.gguf", "b.gguf")).model_path

@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_args(args)
     except ConfigError as exc:
         commands.choices[args.command].error(str(exc))  # usage and exit 2, as argparse does for a bad flag
+    if args.command == "complete" and len(config.model) > 1:
+        commands.choices[args.command].error("complete takes one --model")
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "serve":
@@ -67,17 +69,24 @@ def run_bench(args: argparse.Namespace) -> int:
 def serve_forever(config: Config) -> int:
     from tokenmill.api.app import create_app
     from tokenmill.api.serve import serve
+    from tokenmill.engine.build import ModelLoadError
     from tokenmill.engine.engine import AsyncEngine
 
-    engine = AsyncEngine.from_config(config)
-    return serve(create_app(engine, config), config)
+    engines = [AsyncEngine.from_config(one) for one in config.per_model()]
+    names = [engine.model_name for engine in engines]
+    if len(set(names)) < len(names):
+        raise ModelLoadError(
+            f"two models would be served as the same id ({', '.join(names)}): name them apart with"
+            " --served-model-name or NAME=PATH"
+        )
+    return serve(create_app(engines, config), config)
 
 
 async def complete_once(config: Config, prompt: str, max_tokens: int, temperature: float) -> int:
     from tokenmill.engine.engine import AsyncEngine
     from tokenmill.engine.sampling import SamplingParams
 
-    engine = AsyncEngine.from_config(config)
+    engine = AsyncEngine.from_config(config.per_model()[0])
     await engine.start()
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
     async for out in engine.generate("cli", engine.tokenizer.encode(prompt), params):
@@ -92,11 +101,12 @@ async def complete_once(config: Config, prompt: str, max_tokens: int, temperatur
 def show_model(config: Config) -> int:
     from tokenmill.engine.engine import AsyncEngine
 
-    engine = AsyncEngine.from_config(config)
-    print(
-        f"model: {engine.model_name}\nmax_model_len: {engine.max_model_len}\n"
-        f"system_fingerprint: {engine.system_fingerprint}\nkv blocks: {engine.core.blocks.num_blocks}"
-    )
+    for one in config.per_model():
+        engine = AsyncEngine.from_config(one)
+        print(
+            f"model: {engine.model_name}\nmax_model_len: {engine.max_model_len}\n"
+            f"system_fingerprint: {engine.system_fingerprint}\nkv blocks: {engine.core.blocks.num_blocks}"
+        )
     return 0
 
 

@@ -37,8 +37,16 @@ def _opt(default: Any, help: str, **extra: Any) -> Any:
 @dataclass(frozen=True)
 class Config:
     # --- model ---
-    model: str | None = _opt(None, "GGUF file or Hugging Face model directory; default: the packaged Gemma 3 270M")
-    served_model_name: str | None = _opt(None, "model id in the API; default: gemma-3-270m, or the model's name")
+    model: tuple[str, ...] = _opt(
+        (),
+        "GGUF file or Hugging Face model directory, or NAME=PATH; repeat to serve several models, each with its own"
+        " engine and KV cache; default: the packaged Gemma 3 270M",
+    )
+    served_model_name: tuple[str, ...] = _opt(
+        (),
+        "model id in the API, one per --model in order; default: gemma-3-270m, or the model's file or directory name",
+        aliases=("--model-name",),
+    )
     dtype: str = _opt(
         "bfloat16", "compute dtype; float32 gives logits equal to the transformers reference", choices=DTYPES
     )
@@ -52,8 +60,13 @@ class Config:
     max_model_len: int | None = _opt(None, "context length served; default: min(model's, 8192)")
     # --- engine ---
     block_size: int = _opt(16, "tokens per KV-cache block")
-    num_kv_blocks: int | None = _opt(None, "KV-cache blocks; default: sized from --kv-cache-mb")
-    kv_cache_mb: int = _opt(512, "memory given to the KV cache, in MiB, when --num-kv-blocks is not set")
+    num_kv_blocks: int | None = _opt(None, "KV-cache blocks (of each model); default: sized from --kv-cache-mb")
+    kv_cache_mb: int = _opt(
+        512, "memory given to the KV caches, in MiB, when --num-kv-blocks is not set; shared by the models"
+    )
+    kv_cache_weights: tuple[float, ...] = _opt(
+        (), "how several models share --kv-cache-mb: one weight per --model, in order; default: evenly"
+    )
     max_num_seqs: int = _opt(64, "most sequences decoded in one step")
     max_num_batched_tokens: int = _opt(1024, "token budget of one engine step (prefill chunks + decodes)")
     threads: int | None = _opt(None, "torch intra-op threads; default: all cores")
@@ -73,6 +86,9 @@ class Config:
     shutdown_grace_s: float = _opt(30.0, "on SIGTERM, how long in-flight requests may take to finish")
 
     def __post_init__(self) -> None:
+        for name in ("model", "served_model_name"):  # Config(model="m.gguf") from Python means one model
+            if isinstance(getattr(self, name), str):
+                object.__setattr__(self, name, (getattr(self, name),))
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
@@ -85,6 +101,37 @@ class Config:
             raise ConfigError("max_waiting_requests, max_waiting_tokens and max_request_bytes must be positive")
         if self.request_timeout_s < 0 or self.shutdown_grace_s < 0:
             raise ConfigError("request_timeout_s and shutdown_grace_s must not be negative")
+        count = max(len(self.model), 1)
+        if len(self.served_model_name) > count:
+            raise ConfigError(f"{len(self.served_model_name)} served model names for {count} model(s)")
+        if self.kv_cache_weights and (len(self.kv_cache_weights) != count or min(self.kv_cache_weights) <= 0):
+            raise ConfigError(f"kv_cache_weights needs {count} positive weight(s), one per model")
+
+    @property
+    def model_path(self) -> str | None:
+        """The one model's path (None: the packaged default); a config of several models is split by per_model."""
+        if len(self.model) > 1:
+            raise ConfigError("this needs one model; split the config with per_model()")
+        return _name_and_path(self.model[0])[1] if self.model else None
+
+    def per_model(self) -> list[Config]:
+        """One config per model served: its path, its API name (NAME=PATH, else --served-model-name in order) and
+        its share of --kv-cache-mb."""
+        entries: list[tuple[str | None, str | None]] = [_name_and_path(m) for m in self.model] or [(None, None)]
+        weights = self.kv_cache_weights or (1.0,) * len(entries)
+        configs = []
+        for i, (name, path) in enumerate(entries):
+            name = name or (self.served_model_name[i] if i < len(self.served_model_name) else None)
+            configs.append(
+                replace(
+                    self,
+                    model=(path,) if path else (),
+                    served_model_name=(name,) if name else (),
+                    kv_cache_mb=max(1, int(self.kv_cache_mb * weights[i] / sum(weights))),
+                    kv_cache_weights=(),
+                )
+            )
+        return configs
 
     @property
     def weight_quantization(self) -> str:
@@ -96,6 +143,14 @@ class Config:
 
     def with_overrides(self, **changes: Any) -> Config:
         return replace(self, **changes)
+
+
+def _name_and_path(entry: str) -> tuple[str | None, str]:
+    """`NAME=PATH` → (NAME, PATH); a plain path (even one with "=" in it, if it exists) → (None, path)."""
+    name, sep, path = entry.partition("=")
+    if sep and name and "/" not in name and not os.path.exists(entry):
+        return name, path
+    return None, entry
 
 
 def _parse_bool(text: str) -> bool:
@@ -146,7 +201,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs.update(type=_PARSERS[kind], choices=f.metadata.get("choices"), action="append" if many else "store")
-        parser.add_argument(_flag(f.name), **kwargs)
+        parser.add_argument(_flag(f.name), *f.metadata.get("aliases", ()), **kwargs)
 
 
 def settings_from_args(cls: type[T], args: argparse.Namespace) -> T:

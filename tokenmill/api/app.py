@@ -1,6 +1,7 @@
-"""create_app(engine, config): the routes, bearer auth and the handlers that turn every failure into OpenAI's error body.
+"""create_app(engines, config): the routes, bearer auth and the handlers that turn every failure into OpenAI's error body.
 
-The engine lives on `app.state`, never in a module global, so tests build the app around a fake engine.
+The engines (one per model served, keyed by model id: a request's `model` picks one) live on `app.state`, never in a
+module global, so tests build the app around a fake engine.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import dataclasses
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -40,9 +41,12 @@ T = TypeVar("T")
 router = APIRouter()
 
 
-def create_app(engine: Engine, config: Config) -> FastAPI:
+def create_app(engines: Engine | Sequence[Engine], config: Config) -> FastAPI:
     app = FastAPI(title="tokenmill", summary="OpenAI-compatible text completions", lifespan=_lifespan)
-    app.state.engine = engine
+    served = list(engines) if isinstance(engines, Sequence) else [engines]
+    app.state.engines = {engine.model_name: engine for engine in served}  # in the order given: the first is the default
+    if len(app.state.engines) != len(served):
+        raise ValueError(f"two models are served as the same id ({[e.model_name for e in served]}): name them apart")
     app.state.config = config
     app.state.created = int(time.time())
     app.state.admission = Admission.from_config(config)
@@ -61,24 +65,44 @@ def create_app(engine: Engine, config: Config) -> FastAPI:
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-    """Start the engine's step loop with the server (unless it already runs) and stop what we started."""
-    engine = app.state.engine
-    start, stop = getattr(engine, "start", None), getattr(engine, "stop", None)
-    started = False
-    if start is not None and not engine.is_healthy():
-        await start()
-        started = True
+    """Start each engine's step loop with the server (unless it already runs) and stop what we started."""
+    started = []
     try:
+        for engine in app.state.engines.values():
+            start = getattr(engine, "start", None)
+            if start is not None and not engine.is_healthy():
+                await start()
+                started.append(engine)
         yield
     finally:
-        if started and stop is not None:
+        for engine in started:
+            stop = getattr(engine, "stop", None)
+            if stop is not None:
+                await stop()
+
+
+async def stop_engines(app: FastAPI) -> None:
+    """Stop every engine (the drain's last resort: in-flight requests end)."""
+    for engine in app.state.engines.values():
+        stop = getattr(engine, "stop", None)
+        if stop is not None:
             await stop()
 
 
 # --- routes ---------------------------------------------------------------------------------------------------------
-def _engine(request: Request) -> Engine:
-    engine: Engine = request.app.state.engine
-    return engine
+def _engines(request: Request) -> dict[str, Engine]:
+    engines: dict[str, Engine] = request.app.state.engines
+    return engines
+
+
+def _engine(request: Request, model: str | None = None) -> Engine:
+    """The engine serving `model`; None: the first model (endpoints where the model is optional)."""
+    engines = _engines(request)
+    if model is None:
+        return next(iter(engines.values()))
+    if model not in engines:
+        raise errors.model_not_found(model)
+    return engines[model]
 
 
 def _admission(request: Request) -> Admission:
@@ -86,17 +110,12 @@ def _admission(request: Request) -> Admission:
     return admission
 
 
-def _check_model(model: str | None, engine: Engine) -> None:
-    if model is not None and model != engine.model_name:
-        raise errors.model_not_found(model)
-
-
 @router.post("/v1/completions", openapi_extra=protocol.openapi_body(CompletionRequest))
 async def create_completion(request: Request) -> Response:
-    engine, admission = _engine(request), _admission(request)
-    admission.check_open(engine.is_healthy())
+    admission = _admission(request)
     body = parse_request(CompletionRequest, await request.body())
-    _check_model(body.model, engine)
+    engine = _engine(request, body.model)
+    admission.check_open(engine.is_healthy())
     completion = Completion(body, engine, request.app.state.limits)
     ticket = admission.admit([len(p.token_ids) for p in completion.prompts])
     completion.on_started = ticket.started
@@ -115,17 +134,15 @@ async def create_completion(request: Request) -> Response:
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    return protocol.model_list([_model_card(request)])
+    return protocol.model_list([_model_card(request, engine) for engine in _engines(request).values()])
 
 
 @router.get("/v1/models/{model_id:path}")
 async def retrieve_model(request: Request, model_id: str) -> dict[str, Any]:
-    _check_model(model_id, _engine(request))
-    return _model_card(request)
+    return _model_card(request, _engine(request, model_id))
 
 
-def _model_card(request: Request) -> dict[str, Any]:
-    engine = _engine(request)
+def _model_card(request: Request, engine: Engine) -> dict[str, Any]:
     return protocol.model_card(
         engine.model_name, request.app.state.created, engine.max_model_len, engine.tokenizer.supports_fim
     )
@@ -135,15 +152,17 @@ def _model_card(request: Request) -> dict[str, Any]:
 async def health(request: Request) -> dict[str, str]:
     if _admission(request).draining:
         raise errors.service_unavailable("The server is shutting down.", RETRY_AFTER_S)
-    if not _engine(request).is_healthy():
-        raise errors.service_unavailable("The engine is not healthy.", RETRY_AFTER_S)
+    sick = [name for name, engine in _engines(request).items() if not engine.is_healthy()]
+    if sick:
+        raise errors.service_unavailable(f"The engine of {', '.join(sick)} is not healthy.", RETRY_AFTER_S)
     return {"status": "ok"}
 
 
 @router.get("/stats")
-async def stats(request: Request) -> dict[str, Any]:
-    """The engine's counters (steps, batching, KV blocks): what the load tests assert on."""
-    snapshot = getattr(_engine(request), "stats", None)
+async def stats(request: Request, model: str | None = None) -> dict[str, Any]:
+    """The engine's counters (steps, batching, KV blocks): what the load tests assert on. `?model=`: whose (default:
+    the first model's)."""
+    snapshot = getattr(_engine(request, model), "stats", None)
     if snapshot is None:
         raise errors.not_found("This engine keeps no stats.")
     value = snapshot()
@@ -154,9 +173,8 @@ async def stats(request: Request) -> dict[str, Any]:
 
 @router.post("/tokenize", openapi_extra=protocol.openapi_body(TokenizeRequest))
 async def tokenize(request: Request) -> dict[str, Any]:
-    engine = _engine(request)
     body = parse_request(TokenizeRequest, await request.body())
-    _check_model(body.model, engine)
+    engine = _engine(request, body.model)
     tokenizer = engine.tokenizer
     if isinstance(body.prompt, str):
         tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
@@ -171,17 +189,16 @@ async def tokenize(request: Request) -> dict[str, Any]:
 
 @router.post("/detokenize", openapi_extra=protocol.openapi_body(DetokenizeRequest))
 async def detokenize(request: Request) -> dict[str, str]:
-    engine = _engine(request)
     body = parse_request(DetokenizeRequest, await request.body())
-    _check_model(body.model, engine)
+    engine = _engine(request, body.model)
     tokens = _checked_ids(body.tokens, engine.tokenizer.vocab_size, "tokens")
     return {"prompt": engine.tokenizer.decode(tokens)}
 
 
 @router.get("/tokenizer_info")
-async def tokenizer_info(request: Request) -> dict[str, Any]:
-    """The fields lm-evaluation-harness's remote tokenizer (and vLLM's endpoint) expose."""
-    engine = _engine(request)
+async def tokenizer_info(request: Request, model: str | None = None) -> dict[str, Any]:
+    """The fields lm-evaluation-harness's remote tokenizer (and vLLM's endpoint) expose; `?model=` picks whose."""
+    engine = _engine(request, model)
     tok: Any = engine.tokenizer
     add_bos = getattr(tok, "add_bos", None)
     if add_bos is None:

@@ -19,6 +19,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from tokenmill.api.admission import Admission
+from tokenmill.api.app import stop_engines
 from tokenmill.config import Config
 
 log = logging.getLogger(__name__)
@@ -72,5 +73,5 @@ def serve(app: FastAPI, config: Config) -> int:
         log_level=config.log_level,
         timeout_graceful_shutdown=CANCEL_AFTER_GRACE_S,
     )
-    DrainingServer(uv_config, admission, config.shutdown_grace_s, app.state.engine.stop).run()
+    DrainingServer(uv_config, admission, config.shutdown_grace_s, lambda: stop_engines(app)).run()
     return 0

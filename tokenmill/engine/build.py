@@ -46,11 +46,11 @@ def load_engine_core(config: Config) -> LoadedEngine:
     if config.threads:
         torch.set_num_threads(config.threads)
     dtype, quantization = getattr(torch, config.dtype), config.weight_quantization
-    if quantization == "gguf" and not is_gguf(config.model):
+    if quantization == "gguf" and not is_gguf(config.model_path):
         config = config.with_overrides(quantization="int8")  # no GGUF blocks to keep: the float checkpoint's path
         quantization = "int8"
     try:
-        loaded = load_model_files(config.model, config.cache_dir, dtype, quantization)
+        loaded = load_model_files(config.model_path, config.cache_dir, dtype, quantization)
         model = build_model(loaded.config, loaded.state_dict, prepared=loaded.prepared, quantized=loaded.quantized)
     except (UnsupportedModelError, UnsupportedTokenizerError, GgufFormatError, FileNotFoundError) as exc:
         raise ModelLoadError(str(exc)) from exc
@@ -61,7 +61,7 @@ def load_engine_core(config: Config) -> LoadedEngine:
     if not loaded.prepared and loaded.cache_entry is not None and quantization not in ("none", "gguf"):
         save_prepared(model.state_dict(), loaded.cache_entry, dtype, quantization)
     release_freed_memory()
-    name = config.served_model_name or loaded.name
+    name = config.served_model_name[0] if config.served_model_name else loaded.name
     return LoadedEngine(core, name, system_fingerprint(loaded.source_id, config))
 
 
