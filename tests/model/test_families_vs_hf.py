@@ -75,7 +75,7 @@ def test_the_quantised_paths_follow_the_float_model(files: Files, tmp_path: Path
     ]
     for source, quantization, reference in cases:
         loaded = load_model_files(str(source), str(tmp_path / "cache"), torch.bfloat16, quantization)
-        model = build_model(loaded.config, loaded.state_dict, quantized=loaded.quantized)
+        model = build_model(loaded.config, loaded.state_dict, prepared=loaded.prepared, quantized=loaded.quantized)
         prepare_linears(model, quantization)
         logits = model.forward_dense(IDS)
         assert (logits - reference).norm() / reference.norm() < 0.05, quantization

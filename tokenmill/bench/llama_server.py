@@ -119,7 +119,8 @@ def _download_source(root: Path, version: str, out: IO[bytes], timeout_s: float)
     if (tree / "CMakeLists.txt").is_file():
         return tree
     download = root / "download"
-    pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(download)]
+    # only this package as an sdist: ":all:" would build its build dependencies (CMake itself) from source too
+    pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", SOURCE_PACKAGE, "-d", str(download)]
     _run([*pip, f"{SOURCE_PACKAGE}=={version}"], out, timeout_s)
     [archive] = download.glob("*.tar.gz")
     with tarfile.open(archive) as tar:

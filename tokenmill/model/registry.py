@@ -38,11 +38,8 @@ def build_model(
     `prepared`: the state dict was saved from a prepared model (quantised linears), whose module kinds it restores.
     `quantized`: weights kept as a GGUF file's blocks, which get GgufLinear / GgufEmbedding modules.
     """
-    cls = ARCHITECTURES.get(cfg.architecture)
-    if cls is None:
-        raise UnsupportedModelError(f"no implementation for architecture {cfg.architecture!r}")
-    with torch.device("meta"), _no_weight_init():
-        model = cls(cfg)
+    model = model_skeleton(cfg)
+    cls = type(model)
     if prepared:
         adopt_prepared(model, state_dict)
     entries: dict[str, torch.Tensor] = {}
@@ -53,6 +50,15 @@ def build_model(
     stacked = biases_beside_linears(stack_projections(state_dict, cls.STACKED_PROJECTIONS))
     model.load_state_dict({**stacked, **entries}, assign=True, strict=True)
     return model.eval()
+
+
+def model_skeleton(cfg: ModelConfig) -> CausalLM:
+    """The model's modules on the meta device, with no tensors behind them yet."""
+    cls = ARCHITECTURES.get(cfg.architecture)
+    if cls is None:
+        raise UnsupportedModelError(f"no implementation for architecture {cfg.architecture!r}")
+    with torch.device("meta"), _no_weight_init():
+        return cls(cfg)
 
 
 @contextmanager

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
+from tokenmill.model.loading.memory import unmap_file_pages
 from tokenmill.model.model_config import ModelConfig, RopeScaling, UnsupportedModelError
 
 # config.json model_type → our architecture (GGUF's name for it)
@@ -201,18 +202,84 @@ def llama3_divisors(scaling: dict[str, Any], base: float, head_dim: int) -> tupl
     return tuple(divisors)
 
 
+SAFETENSORS_DTYPES = {
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "I32": torch.int32,
+    "I64": torch.int64,
+}
+
+
+class Checkpoint:
+    """A directory's safetensors files, memory-mapped: each tensor a view of the file's pages, read when first used.
+
+    Why not safetensors' `safe_open(...).get_tensor`: it copies each tensor out of the file, so a whole checkpoint read
+    that way is all in memory at once before any of it is converted. A view costs nothing until it is read, and
+    `release` hands its pages back once the tensor has been converted (they stay in the page cache), so loading holds
+    about one layer of the checkpoint at a time. Names are the text model's (multimodal prefixes mapped, vision
+    towers left out); a tied head's checkpoint copy is left out too.
+    """
+
+    def __init__(self, path: Path, config: ModelConfig) -> None:
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{path} has no *.safetensors weights")
+        self._maps: list[mmap.mmap] = []
+        self._entries: dict[str, tuple[mmap.mmap, torch.dtype, list[int], int]] = {}
+        for file in files:
+            with file.open("rb") as f:
+                header_len = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(header_len))
+                # private and never written: its pages are the page cache's until released (see unmap_file_pages)
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if file.stat().st_size else None
+            for key, info in header.items():
+                name = None if key == "__metadata__" else _text_model_name(key)
+                if name is None or (config.tie_word_embeddings and name == "lm_head.weight"):
+                    continue
+                if info["dtype"] not in SAFETENSORS_DTYPES:
+                    raise UnsupportedModelError(
+                        f"{file.name}: tensor {key} is {info['dtype']}, not one of {', '.join(SAFETENSORS_DTYPES)}"
+                    )
+                assert mapped is not None
+                begin = 8 + header_len + info["data_offsets"][0]
+                self._entries[name] = (mapped, SAFETENSORS_DTYPES[info["dtype"]], info["shape"], begin)
+            if mapped is not None:
+                self._maps.append(mapped)
+
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def view(self, name: str) -> torch.Tensor:
+        """The tensor as the file holds it, without a copy: convert (copy) it before releasing it."""
+        mapped, dtype, shape, begin = self._entries[name]
+        count = math.prod(shape)
+        if count == 0:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(mapped, dtype=dtype, count=count, offset=begin).view(shape)
+
+    def release(self, name: str) -> None:
+        """This tensor's pages leave the process (they stay in the page cache); its views must not be read again."""
+        tensor = self.view(name)
+        if tensor.numel():
+            unmap_file_pages(tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size())
+
+    def take(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """A copy of the tensor in `dtype` (aligned, in this process's own memory); the file's pages released."""
+        tensor = self.view(name).to(dtype, copy=True)
+        self.release(name)
+        return tensor
+
+
 def read_hf_state_dict(path: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path} has no *.safetensors weights")
-    state_dict: dict[str, torch.Tensor] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            names = {key: _text_model_name(key) for key in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
-            state_dict.update({name: f.get_tensor(key).to(dtype) for key, name in names.items() if name is not None})
-    if config.tie_word_embeddings:
-        state_dict.pop("lm_head.weight", None)
-    return state_dict
+    """Every tensor of the checkpoint in `dtype`, one at a time (the unquantised paths keep them all)."""
+    checkpoint = Checkpoint(path, config)
+    return {name: checkpoint.take(name, dtype) for name in checkpoint.names()}
 
 
 def _text_model_name(key: str) -> str | None:

@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from tokenmill.config import DEFAULT_MODEL_NAME
 from tokenmill.model.gguf_linear import GgufWeight
 from tokenmill.model.linear import prepared_layout
-from tokenmill.model.loading.hf_dir import read_hf_config, read_hf_state_dict
+from tokenmill.model.loading.hf_dir import SAFETENSORS_DTYPES, Checkpoint, read_hf_config, read_hf_state_dict
 from tokenmill.model.loading.memory import release_freed_memory
 from tokenmill.model.model_config import ModelConfig, RopeScaling
 from tokenmill.tokenizer import Tokenizer
@@ -105,7 +105,7 @@ def load_model_files(
         return load_gguf(assemble, root, dtype, EXPECTED_SHA256, DEFAULT_MODEL_NAME, quantization)
     model_path = Path(path).expanduser()
     if model_path.is_dir():
-        return load_hf_dir(model_path, root, dtype)
+        return load_hf_dir(model_path, root, dtype, quantization)
     if model_path.is_file():
         if quantization == "gguf":
             # the file's hash (hashlib releases the GIL) runs on the other core while the index and tokenizer build
@@ -180,17 +180,6 @@ def packaged_gguf(root: Path) -> Path:
     return package.assemble()
 
 
-_SAFETENSORS_DTYPES = {
-    "F32": torch.float32,
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "I32": torch.int32,
-    "I64": torch.int64,
-}
-
-
 def _load_aligned(path: Path) -> dict[str, torch.Tensor]:
     """A safetensors file read straight into torch's own (64-byte aligned) tensors, one tensor at a time.
 
@@ -205,7 +194,7 @@ def _load_aligned(path: Path) -> dict[str, torch.Tensor]:
         for name, info in header.items():
             if name == "__metadata__":
                 continue
-            tensor = torch.empty(info["shape"], dtype=_SAFETENSORS_DTYPES[info["dtype"]])
+            tensor = torch.empty(info["shape"], dtype=SAFETENSORS_DTYPES[info["dtype"]])
             begin, end = info["data_offsets"]
             f.seek(8 + header_len + begin)
             if tensor.numel() and f.readinto(tensor.view(-1).view(torch.uint8).numpy().data) != end - begin:
@@ -288,10 +277,18 @@ def config_from_json(raw: dict) -> ModelConfig:
 
 
 # --- Hugging Face directories ---------------------------------------------------------------------------------------
-def load_hf_dir(path: Path, root: Path, dtype: torch.dtype) -> LoadedWeights:
+def load_hf_dir(path: Path, root: Path, dtype: torch.dtype, quantization: str | None = None) -> LoadedWeights:
+    """With int8 or int4 (the bf16 default is int8), the linears come back quantised (`prepared`), converted one at
+    a time from the mapped files (hf_convert.py); otherwise every tensor in `dtype`."""
     config = read_hf_config(path)
-    state_dict = read_hf_state_dict(path, config, dtype)
-    return LoadedWeights(config, state_dict, Tokenizer.from_pretrained_dir(path), dir_sha256(path, root), path.name)
+    tokenizer = Tokenizer.from_pretrained_dir(path)
+    source_id = dir_sha256(path, root)
+    if quantization in ("int8", "int4"):
+        from tokenmill.model.loading.hf_convert import prepared_state_dict
+
+        state_dict = prepared_state_dict(Checkpoint(path, config), config, dtype, quantization)
+        return LoadedWeights(config, state_dict, tokenizer, source_id, path.name, prepared=True)
+    return LoadedWeights(config, read_hf_state_dict(path, config, dtype), tokenizer, source_id, path.name)
 
 
 def dir_sha256(path: Path, root: Path) -> str:
