@@ -48,9 +48,7 @@ def test_layer_by_layer_equals_the_whole_model_prepared(
 
 def test_the_loader_takes_this_path_for_a_quantised_start(directories: dict[str, Path], tmp_path: Path) -> None:
     loaded = load_model_files(str(directories["qwen2"]), str(tmp_path), torch.bfloat16, "int8")
-    assert loaded.prepared and any(
-        key.endswith("qkv_proj.tiles") or key.endswith("qkv_proj.qweight") for key in loaded.state_dict
-    )
+    assert loaded.prepared and any(key.endswith(("qkv_proj.tiles", "qkv_proj.qweight")) for key in loaded.state_dict)
     unquantised = load_model_files(str(directories["qwen2"]), str(tmp_path), torch.bfloat16, "none")
     assert not unquantised.prepared and "model.layers.0.self_attn.q_proj.weight" in unquantised.state_dict
 
