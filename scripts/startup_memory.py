@@ -1,12 +1,15 @@
 """Peak memory (RSS) of a tokenmill start, from process start to a loaded engine, per model.
 
 python scripts/startup_memory.py                     # the packaged default, and a 1B-class Hugging Face directory
+python scripts/startup_memory.py --shape llama3-8b   # ... and an 8B one (16 GB of bf16 safetensors written once)
 python scripts/startup_memory.py --model PATH ...    # any models (GGUF files, HF directories); 'default' = packaged
 
 Each model is loaded by `tokenmill models --model X` in a fresh process (what `serve` does before it listens: load,
 convert, build the engine, size the KV cache) and its peak RSS read from the kernel's own account (wait4's ru_maxrss),
-so nothing samples and nothing is missed. Without --model it also writes, once, a random-weight Hugging Face directory
-of Gemma 3 1B's published shape in bfloat16 (2.0 GB of safetensors, the packaged file's tokenizer) under --dir.
+so nothing samples and nothing is missed. Without --model it also writes, once, random-weight Hugging Face directories
+of published shapes (--shape, repeatable: gemma3-1b by default, llama3-8b) in bfloat16 under --dir, each with the
+packaged Gemma 3 file's tokenizer: the 8B directory's tokenizer is not its family's, which a load does not notice but
+a prompt could (ids past Llama 3's 128,256 rows), so it is for measuring a start, not for serving.
 """
 
 from __future__ import annotations
@@ -44,11 +47,39 @@ GEMMA3_1B = {
     "eos_token_id": [1, 106],
     "pad_token_id": 0,
 }
+# Llama 3.1 8B's config.json (the published model card)
+LLAMA3_8B = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rope_theta": 500_000.0,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 2,
+    "eos_token_id": [1, 106],
+}
+SHAPES = {"gemma3-1b": GEMMA3_1B, "llama3-8b": LLAMA3_8B}
 LAYERS_PER_SHARD = 6
 
 
-def write_gemma3_1b_dir(directory: Path, seed: int = 0) -> Path:
-    """Random bf16 weights (std 0.02; zero norms, which Gemma scales by 1 + w), sharded as checkpoints are."""
+def write_hf_dir(c: dict, directory: Path, seed: int = 0) -> Path:
+    """Random bf16 weights of config `c` (std 0.02; unit norms: Gemma scales by 1 + w, so zeros there), sharded as
+    checkpoints are."""
     import torch
     from safetensors.torch import save_file
 
@@ -59,7 +90,7 @@ def write_gemma3_1b_dir(directory: Path, seed: int = 0) -> Path:
         return directory
     tmp = directory.with_name(directory.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
-    c = GEMMA3_1B
+    gemma = c["model_type"].startswith("gemma")
     h, ffn, head = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * head, c["num_key_value_heads"] * head
     generator = torch.Generator().manual_seed(seed)
@@ -67,15 +98,17 @@ def write_gemma3_1b_dir(directory: Path, seed: int = 0) -> Path:
     def random(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=generator) * 0.02).to(torch.bfloat16)
 
-    def zeros(n: int) -> torch.Tensor:
-        return torch.zeros(n, dtype=torch.bfloat16)
+    def norm(n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=torch.bfloat16) if gemma else torch.ones(n, dtype=torch.bfloat16)
 
     layers = c["num_hidden_layers"]
     shards = [range(i, min(i + LAYERS_PER_SHARD, layers)) for i in range(0, layers, LAYERS_PER_SHARD)]
     index: dict[str, str] = {}
     for number, shard in enumerate(shards):
-        tensors = {"model.embed_tokens.weight": random(c["vocab_size"], h), "model.norm.weight": zeros(h)}
+        tensors = {"model.embed_tokens.weight": random(c["vocab_size"], h), "model.norm.weight": norm(h)}
         tensors = tensors if number == 0 else {}
+        if number == len(shards) - 1 and not c["tie_word_embeddings"]:
+            tensors["lm_head.weight"] = random(c["vocab_size"], h)
         for i in shard:
             p = f"model.layers.{i}."
             tensors |= {
@@ -83,14 +116,14 @@ def write_gemma3_1b_dir(directory: Path, seed: int = 0) -> Path:
                 p + "self_attn.k_proj.weight": random(kv, h),
                 p + "self_attn.v_proj.weight": random(kv, h),
                 p + "self_attn.o_proj.weight": random(h, q),
-                p + "self_attn.q_norm.weight": zeros(head),
-                p + "self_attn.k_norm.weight": zeros(head),
                 p + "mlp.gate_proj.weight": random(ffn, h),
                 p + "mlp.up_proj.weight": random(ffn, h),
                 p + "mlp.down_proj.weight": random(h, ffn),
             }
-            for norm in ("input", "post_attention", "pre_feedforward", "post_feedforward"):
-                tensors[p + f"{norm}_layernorm.weight"] = zeros(h)
+            if gemma:
+                tensors |= {p + "self_attn.q_norm.weight": norm(head), p + "self_attn.k_norm.weight": norm(head)}
+            for kind in ("input", "post_attention") + (("pre_feedforward", "post_feedforward") if gemma else ()):
+                tensors[p + f"{kind}_layernorm.weight"] = norm(h)
         name = f"model-{number + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(tensors, str(tmp / name), metadata={"format": "pt"})
         index |= dict.fromkeys(tensors, name)
@@ -150,10 +183,14 @@ def weights_mb(model: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", action="append", help="a model to load (repeatable); 'default': the packaged one")
-    parser.add_argument("--dir", type=Path, default=ROOT / ".bench" / "synthetic", help="where the 1B directory goes")
+    parser.add_argument("--shape", action="append", choices=SHAPES, help="shapes to write and load (repeatable)")
+    parser.add_argument("--dir", type=Path, default=ROOT / ".bench" / "synthetic", help="where the directories go")
     parser.add_argument("--tokenmill-args", default="", help="flags for every start, e.g. '--quantization int4'")
     args = parser.parse_args()
-    models = args.model or ["default", str(write_gemma3_1b_dir(args.dir / "gemma3-1b-random-bf16-hf"))]
+    shapes = args.shape or ["gemma3-1b"]
+    models = args.model or ["default"] + [
+        str(write_hf_dir(SHAPES[n], args.dir / f"{n}-random-bf16-hf")) for n in shapes
+    ]
     print("| model | files on disk | peak RSS at start-up | load time |")
     print("|---|---|---|---|")
     for model in models:

@@ -5,7 +5,8 @@ float32, Hugging Face names and conventions; see gguf_convert.py) and the result
 + config json under `<cache root>/gguf-<sha256 of the file>-v<CACHE_VERSION>/`, so later starts skip the parse and
 dequantisation.
 The cache keeps float32: the dequantised values are exact in float32 and not in bfloat16, and the compute dtype is applied
-after loading. A Hugging Face directory is already safetensors and is read directly.
+after loading. A Hugging Face directory is already safetensors: it is memory-mapped, and for a quantised start its
+linears are converted one at a time (hf_convert.py); nothing of it is cached but its hash.
 
 File identity is the file's SHA-256. Hashing is remembered per (path, size, mtime) in `<cache root>/identity/`, so a
 large file is hashed once; the packaged model's hash is the package's EXPECTED_SHA256 (`assemble()` verifies it).
