@@ -4,11 +4,13 @@ async access to the app (every request and every stream read gives up after TIME
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import httpx
+import openai
 from fastapi import FastAPI
 
 from tests.engine.tiny import tiny_core
@@ -23,6 +25,23 @@ T = TypeVar("T")
 def tiny_engine() -> AsyncEngine:
     """The real AsyncEngine on the tiny random-weight model (tests/engine/tiny.py), not yet started."""
     return AsyncEngine(tiny_core(), TINY_MODEL, "fp_tiny")
+
+
+# openai ≥ 3 ships on httpx2, older releases on httpx: build the transport from whichever it uses.
+_httpx = importlib.import_module(
+    "httpx2" if "httpx2" in openai.OpenAI.__init__.__annotations__.get("http_client", "") else "httpx"
+)
+
+
+def with_client(app: FastAPI, use: Callable[[openai.AsyncOpenAI], Awaitable[T]], api_key: str = "unused") -> T:
+    """`use` with the official async client talking to `app` in-process (no lifespan: start engines in `use`)."""
+
+    async def go() -> T:
+        http = _httpx.AsyncClient(transport=_httpx.ASGITransport(app=app), base_url="http://test")
+        async with openai.AsyncOpenAI(base_url="http://test/v1", api_key=api_key, http_client=http, max_retries=0) as c:
+            return await use(c)
+
+    return run(go)
 
 
 def run(make: Callable[[], Awaitable[T]], timeout: float = TIMEOUT) -> T:

@@ -28,7 +28,9 @@ def test_response_envelope(client: TestClient) -> None:
     assert out["object"] == "text_completion"
     assert isinstance(out["created"], int)
     assert (out["model"], out["system_fingerprint"]) == (MODEL, "fp_fake")
-    assert out["choices"] == [{"text": SCRIPT[:16], "index": 0, "logprobs": None, "finish_reason": "length"}]
+    assert out["choices"] == [
+        {"text": SCRIPT[:16], "index": 0, "logprobs": None, "finish_reason": "length", "stop_reason": None}
+    ]
     assert out["usage"] == {
         "prompt_tokens": 3,
         "completion_tokens": 16,
@@ -68,7 +70,7 @@ def test_choices_are_prompt_major_with_n(client: TestClient, engine: FakeEngine)
 def test_finish_reasons(client: TestClient) -> None:
     out = complete(client, prompt=["a", "b"], n=2, max_tokens=100)
     assert out["choices"] == [  # prompt-major: prompt i's choice j has index 2i + j and writes script j in full
-        {"text": scripted_text(j), "index": index, "logprobs": None, "finish_reason": "stop"}
+        {"text": scripted_text(j), "index": index, "logprobs": None, "finish_reason": "stop", "stop_reason": None}
         for index, j in enumerate([0, 1, 0, 1])
     ]
     stopped = complete(client, max_tokens=100, stop=["fox", "dog"])["choices"][0]
@@ -160,7 +162,9 @@ def test_non_finite_logprobs_never_reach_json() -> None:
 def test_best_of_returns_the_highest_mean_logprob(client: TestClient, engine: FakeEngine) -> None:
     out = complete(client, best_of=3, max_tokens=5)
     assert engine.requests[0][2].n == 3
-    assert out["choices"] == [{"text": scripted_text(2)[:5], "index": 0, "logprobs": None, "finish_reason": "length"}]
+    assert out["choices"] == [
+        {"text": scripted_text(2)[:5], "index": 0, "logprobs": None, "finish_reason": "length", "stop_reason": None}
+    ]
     assert out["usage"]["completion_tokens"] == 15  # all three candidates count
 
 

@@ -2,33 +2,16 @@
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import openai
 import pytest
 from fastapi import FastAPI
 
-from tests.api.api_helpers import MODEL, run
+from tests.api.api_helpers import MODEL, with_client
 from tests.api.fake_engine import SCRIPT, FakeEngine, scripted_text
 from tokenmill.api.app import create_app
 from tokenmill.config import Config
-
-T = TypeVar("T")
-# openai ≥ 3 ships on httpx2, older releases on httpx: build the transport from whichever it uses.
-_httpx = importlib.import_module(
-    "httpx2" if "httpx2" in openai.OpenAI.__init__.__annotations__.get("http_client", "") else "httpx"
-)
-
-
-def with_client(app: FastAPI, use: Callable[[openai.AsyncOpenAI], Awaitable[T]], api_key: str = "unused") -> T:
-    async def go() -> T:
-        http = _httpx.AsyncClient(transport=_httpx.ASGITransport(app=app), base_url="http://test")
-        async with openai.AsyncOpenAI(base_url="http://test/v1", api_key=api_key, http_client=http, max_retries=0) as c:
-            return await use(c)
-
-    return run(go)
 
 
 @pytest.fixture
@@ -75,7 +58,7 @@ def test_echo_scoring_request(app: FastAPI) -> None:
 ERRORS: list[tuple[dict[str, Any], type[openai.APIStatusError], str | None]] = [
     ({"model": MODEL, "prompt": "x", "temperature": 3}, openai.BadRequestError, "temperature"),
     ({"model": MODEL, "prompt": "x", "suffix": "y"}, openai.BadRequestError, "suffix"),
-    ({"model": MODEL, "prompt": "x", "extra_body": {"top_k": 3}}, openai.BadRequestError, "top_k"),
+    ({"model": MODEL, "prompt": "x", "extra_body": {"mirostat": 2}}, openai.BadRequestError, "mirostat"),
     ({"model": "gpt-3.5-turbo-instruct", "prompt": "x"}, openai.NotFoundError, "model"),
 ]
 

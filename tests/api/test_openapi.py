@@ -12,6 +12,21 @@ from tests.api.api_helpers import MODEL
 from tests.openapi_contract import spec_schemas
 from tokenmill.api.protocol import CompletionRequest
 
+EXTENSIONS = (  # vLLM's names, after the reference's fields
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "allowed_token_ids",
+    "bad_words",
+    "truncate_prompt_tokens",
+    "return_token_ids",
+)
+
 
 def request_schema(client: TestClient, path: str) -> dict[str, Any]:
     doc = client.get("/openapi.json").json()
@@ -25,7 +40,11 @@ def test_completion_request_schema_has_the_official_fields_in_order(client: Test
     schema = request_schema(client, "/v1/completions")
     official = spec_schemas()["CreateCompletionRequest"]["properties"]
     assert list(schema["properties"]) == list(CompletionRequest.model_fields)
-    assert set(schema["properties"]) == set(official)
+    # the reference's fields first, in its order, then the extensions (vLLM's names), each documented
+    assert set(list(schema["properties"])[: len(official)]) == set(official)
+    extensions = list(schema["properties"])[len(official) :]
+    assert extensions == list(EXTENSIONS)
+    assert all(schema["properties"][name].get("description") for name in EXTENSIONS)
     assert schema["additionalProperties"] is False and set(schema["required"]) == {"model", "prompt"}
     assert "$ref" not in str(schema)  # nested models are inlined: the document has no $defs to point at
     assert schema["properties"]["logprobs"]["anyOf"][0] == {"type": "integer", "minimum": 0, "maximum": 5}

@@ -114,3 +114,83 @@ def test_adjusted_applies_each_rows_bias_and_penalties_to_its_own_row_and_undoes
     with adjusted(logits, rows) as processed:
         assert processed is logits and torch.equal(processed, expected)
     assert torch.equal(logits, original)
+
+
+# --- the knobs beyond the reference -------------------------------------------------------------------------------
+WIDE = torch.randn(3, 50, generator=torch.Generator().manual_seed(7)) * 3
+
+
+def sampled_ids(logits: torch.Tensor, draws: int, **kw: object) -> set[int]:
+    return {sample(logits.clone(), [row(seed=s, temperature=1.0, **kw)])[0].token_id for s in range(draws)}
+
+
+def test_top_k_samples_only_among_the_k_likeliest() -> None:
+    best = set(torch.topk(WIDE[0], 4).indices.tolist())
+    got = sampled_ids(WIDE[:1], 200, top_k=4)
+    assert got <= best and len(got) > 1
+    assert len(sampled_ids(WIDE[:1], 200)) > 4  # without it, more than four tokens come up
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_best() -> None:
+    probs = torch.softmax(WIDE[0], -1)
+    kept = set(torch.nonzero(probs >= 0.2 * probs.max()).flatten().tolist())
+    got = sampled_ids(WIDE[:1], 200, min_p=0.2)
+    assert got <= kept and len(got) > 1
+
+
+def test_top_k_then_top_p_take_the_nucleus_of_what_top_k_kept() -> None:
+    got = sampled_ids(WIDE[:1], 200, top_k=5, top_p=0.5)
+    probs = torch.softmax(WIDE[0], -1)
+    values, ids = torch.topk(probs, 5)
+    mass_before = torch.cumsum(values / values.sum(), 0) - values / values.sum()
+    assert got <= set(ids[mass_before < 0.5].tolist())
+
+
+def test_repetition_penalty_is_transformers_formula() -> None:
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    seen = [3, 7, 7, 11, 20, 42]
+    logits = WIDE.clone()
+    rows = [row(repetition_penalty=1.7), row(), row(repetition_penalty=0.6)]
+    rows[0].seen, rows[2].seen = set(seen), set(seen[:3])
+    from tokenmill.engine.sampler import adjusted
+
+    with adjusted(logits, rows) as processed:
+        got = processed.clone()
+    assert torch.equal(logits, WIDE)  # undone exactly
+    want = WIDE.clone()
+    want[0] = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([seen]), WIDE[:1].clone())[0]
+    want[2] = RepetitionPenaltyLogitsProcessor(0.6)(torch.tensor([seen[:3]]), WIDE[2:].clone())[0]
+    assert torch.equal(got, want)
+
+
+def test_allowed_and_banned_tokens_are_masked_and_undone() -> None:
+    logits = WIDE.clone()
+    greedy_allowed = sample(logits, [row(temperature=0.0, allowed_token_ids=(5, 9, 30))])[0].token_id
+    assert greedy_allowed == max((5, 9, 30), key=lambda t: float(WIDE[0, t]))
+    assert sampled_ids(WIDE[:1], 100, allowed_token_ids=(5, 9, 30)) <= {5, 9, 30}
+    best = int(WIDE[0].argmax())
+    banned = SampleInput(SamplingParams(temperature=0.0), None, {}, banned=[best])
+    assert sample(logits, [banned])[0].token_id == int(torch.topk(WIDE[0], 2).indices[1])
+    assert torch.equal(logits, WIDE)
+
+
+def test_a_row_with_nothing_left_to_sample_fails() -> None:
+    from tokenmill.engine.sampler import NoTokenLeft
+
+    nothing = SampleInput(SamplingParams(temperature=0.0, allowed_token_ids=(4,)), None, {}, banned=[4])
+    try:
+        sample(WIDE[:1].clone(), [nothing])
+    except NoTokenLeft:
+        return
+    raise AssertionError("sampled a token although every one was excluded")
+
+
+def test_knobs_leave_other_rows_of_the_batch_alone() -> None:
+    """A free row gets the same token and logprob beside constrained rows as alone (the batch-invariance rule)."""
+    free = row(seed=4, temperature=0.9, logprobs=2)
+    alone = sample(WIDE[1:2].clone(), [free])[0]
+    knobs = [row(top_k=2, seed=1), row(seed=4, temperature=0.9, logprobs=2), row(min_p=0.3, allowed_token_ids=(1, 2))]
+    knobs[0].banned = [0, 1]
+    beside = sample(WIDE.clone(), knobs)[1]
+    assert (beside.token_id, beside.logprob, beside.top) == (alone.token_id, alone.logprob, alone.top)

@@ -85,17 +85,15 @@ class Prompt:
 
 # --- preparing: everything that can be a 400 happens before the first engine call ---------------------------------
 def prepare_prompts(request: CompletionRequest, engine: Engine, max_tokens: int) -> list[Prompt]:
-    tokenizer, vocab_size = engine.tokenizer, engine.tokenizer.vocab_size
-    for key in request.logit_bias or {}:
-        if not 0 <= int(key) < vocab_size:
-            raise invalid_request(
-                f"'logit_bias' token id {key} is outside the vocabulary [0, {vocab_size})", "logit_bias"
-            )
+    tokenizer = engine.tokenizer
+    _check_in_vocabulary([int(key) for key in request.logit_bias or {}], tokenizer.vocab_size, "logit_bias")
+    _check_in_vocabulary(request.stop_token_ids or [], tokenizer.vocab_size, "stop_token_ids")
+    _check_in_vocabulary(request.allowed_token_ids or [], tokenizer.vocab_size, "allowed_token_ids")
     items = _prompt_items(request.prompt)
     if request.suffix:
         prompts = [_infill_prompt(item, request.suffix, tokenizer) for item in items]
     else:
-        prompts = [_prompt(item, tokenizer, bool(request.echo)) for item in items]
+        prompts = [_prompt(item, tokenizer, bool(request.echo), request.truncate_prompt_tokens) for item in items]
     for prompt in prompts:
         if len(prompt.token_ids) + max_tokens > engine.max_model_len:
             raise context_length_exceeded(engine.max_model_len, len(prompt.token_ids), max_tokens)
@@ -112,16 +110,22 @@ def _prompt_items(prompt: protocol.PromptInput | None) -> Sequence[str | list[in
     return prompt
 
 
-def _prompt(item: str | list[int], tokenizer: Tokenizer, echo: bool) -> Prompt:
+def _check_in_vocabulary(ids: Sequence[int], vocab_size: int, param: str) -> None:
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise invalid_request(f"'{param}' token id {bad} is outside the vocabulary [0, {vocab_size})", param)
+
+
+def _prompt(item: str | list[int], tokenizer: Tokenizer, echo: bool, keep_last: int | None = None) -> Prompt:
+    """`keep_last` (truncate_prompt_tokens): only the prompt's last tokens are kept; echo then returns their text."""
     if isinstance(item, str):
         ids = tokenizer.encode(item) or _document_start(tokenizer)
+        if keep_last is not None and len(ids) > keep_last:
+            return Prompt(ids[-keep_last:], tokenizer.decode(ids[-keep_last:]) if echo else "")
         return Prompt(ids, item)
-    bad = next((t for t in item if not 0 <= t < tokenizer.vocab_size), None)
-    if bad is not None:
-        raise invalid_request(
-            f"'prompt' token id {bad} is outside the vocabulary [0, {tokenizer.vocab_size})", "prompt"
-        )
-    return Prompt(list(item), tokenizer.decode(item) if echo else "")
+    _check_in_vocabulary(item, tokenizer.vocab_size, "prompt")
+    ids = list(item) if keep_last is None else list(item[-keep_last:])
+    return Prompt(ids, tokenizer.decode(ids) if echo else "")
 
 
 def _infill_prompt(item: str | list[int], suffix: str, tokenizer: Tokenizer) -> Prompt:
@@ -152,11 +156,15 @@ class Choice:
     prompt: Prompt
     echo_pending: bool
     builder: LogprobsBuilder | None
+    return_token_ids: bool = False
     text: list[str] = field(default_factory=list)
     logprobs: dict[str, list[Any]] | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     num_tokens: int = 0
+    sent_prompt_ids: bool = False  # streamed: the prompt's token ids go with the choice's first chunk
 
     def update(self, delta: SequenceDelta) -> dict[str, Any] | None:
         """Fold in one delta; return its stream piece (None when there is nothing to show)."""
@@ -164,23 +172,35 @@ class Choice:
             raise server_error("The request was aborted by the engine.")
         self.num_tokens = max(self.num_tokens + len(delta.token_ids), delta.num_tokens)
         self.cumulative_logprob = delta.cumulative_logprob
+        self.token_ids.extend(delta.token_ids)
         if delta.finish_reason is not None:
             self.finish_reason = _FINISH[delta.finish_reason]
-        return self._piece(delta.text, delta.logprobs or [])
+            self.stop_reason = delta.stop_reason
+        return self._piece(delta.text, delta.logprobs or [], delta.token_ids)
 
     def finish_without_delta(self, max_tokens: int) -> dict[str, Any]:
         """The engine finished the request with no final delta for this sequence: infer why."""
         self.finish_reason = "length" if self.num_tokens >= max_tokens else "stop"
-        return self._piece("", []) or protocol.choice(self.index, "", None, self.finish_reason)
+        return self._piece("", [], []) or self.piece("", None, [])
 
-    def _piece(self, text: str, entries: list[TokenLogprob]) -> dict[str, Any] | None:
+    def _piece(self, text: str, entries: list[TokenLogprob], token_ids: list[int]) -> dict[str, Any] | None:
         fragment = self._logprobs_fragment(entries)
         if self.echo_pending:
             text, self.echo_pending = self.prompt.text + text, False
         self.text.append(text)
-        if not text and self.finish_reason is None and not (fragment and fragment["tokens"]):
+        if not text and not token_ids and self.finish_reason is None and not (fragment and fragment["tokens"]):
             return None
-        return protocol.choice(self.index, text, fragment, self.finish_reason)
+        return self.piece(text, fragment, token_ids)
+
+    def piece(self, text: str, logprobs: dict[str, Any] | None, token_ids: list[int]) -> dict[str, Any]:
+        """This choice's wire object for `text` (a stream piece, or the whole text with the whole token ids)."""
+        ids = None
+        if self.return_token_ids:
+            ids = {"token_ids": token_ids}
+            if not self.sent_prompt_ids:
+                ids = {"prompt_token_ids": self.prompt.token_ids, **ids}
+                self.sent_prompt_ids = True
+        return protocol.choice(self.index, text, logprobs, self.finish_reason, self.stop_reason, ids)
 
     def _logprobs_fragment(self, entries: list[TokenLogprob]) -> dict[str, list[Any]] | None:
         if self.builder is None:
@@ -207,7 +227,11 @@ class Completion:
         self.limits = limits or RequestLimits()
         self.params = request.to_sampling_params()
         if request.suffix and engine.tokenizer.supports_fim:  # a filled-in middle ends at the model's end tokens
-            self.params = dataclasses.replace(self.params, stop_token_ids=engine.tokenizer.fim_end_ids)
+            ends = self.params.stop_token_ids + engine.tokenizer.fim_end_ids
+            self.params = dataclasses.replace(self.params, stop_token_ids=ends)
+        if request.bad_words:
+            self.params = dataclasses.replace(self.params, bad_words_ids=bad_words_ids(request.bad_words, engine))
+        _check_something_is_allowed(self.params, engine.tokenizer)
         self.limits.check_counts(len(_prompt_items(request.prompt)), self.params.n)
         self.prompts = prepare_prompts(request, engine, self.params.max_tokens)
         self.limits.check_prompt_tokens([len(p.token_ids) for p in self.prompts])
@@ -218,9 +242,9 @@ class Completion:
             model=engine.model_name,
             system_fingerprint=engine.system_fingerprint,
         )
-        width, echo = self.params.n, bool(request.echo)
+        width, echo, ids = self.params.n, bool(request.echo), bool(request.return_token_ids)
         self.choices = [
-            Choice(p * width + j, prompt, echo, self._builder())
+            Choice(p * width + j, prompt, echo, self._builder(), ids)
             for p, prompt in enumerate(self.prompts)
             for j in range(width)
         ]
@@ -282,7 +306,8 @@ class Completion:
             if width > n:
                 candidates = sorted(candidates, key=lambda c: -c.mean_logprob)[:n]
             for j, c in enumerate(candidates):
-                result.append(protocol.choice(p * n + j, "".join(c.text), c.logprobs, c.finish_reason))
+                c.index, c.sent_prompt_ids = p * n + j, False
+                result.append(c.piece("".join(c.text), c.logprobs, c.token_ids))
         return result
 
     def usage(self) -> dict[str, Any]:
@@ -302,6 +327,34 @@ class Completion:
 
 def _ignore(prompt_index: int) -> None:
     pass
+
+
+def _check_something_is_allowed(params: SamplingParams, tokenizer: Tokenizer) -> None:
+    """allowed_token_ids that the first step's bans cover whole (EOS and stop tokens before min_tokens, one-token bad
+    words) leave nothing to sample: a 400 now, not a failure mid-generation."""
+    if params.allowed_token_ids is None:
+        return
+    banned = {word[0] for word in params.bad_words_ids if len(word) == 1}
+    if params.min_tokens > 0:
+        eos = () if params.ignore_eos else getattr(tokenizer, "eos_ids", (tokenizer.eos_id,))
+        banned |= {*eos, *params.stop_token_ids}
+    if set(params.allowed_token_ids) <= banned:
+        raise invalid_request(
+            "'allowed_token_ids' are all excluded by 'bad_words' or, before 'min_tokens', as end tokens",
+            "allowed_token_ids",
+        )
+
+
+def bad_words_ids(words: Sequence[str], engine: Engine) -> tuple[tuple[int, ...], ...]:
+    """Each bad word's tokens as it would appear at the start of the text and after a space (vLLM's rule: a
+    tokenizer spells a word differently there), without duplicates."""
+    variants: dict[tuple[int, ...], None] = {}
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tuple(engine.tokenizer.encode(text, add_special_tokens=False))
+            if ids:
+                variants[ids] = None
+    return tuple(variants)
 
 
 # --- running prompts concurrently -----------------------------------------------------------------------------------

@@ -25,9 +25,19 @@ MAX_STOP_CHARS = 1024  # longer stop strings make the hold-back search slow and 
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_TOKEN_ID_DIGITS = 12  # a logit_bias key longer than this is no token id (and would be slow to convert)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# past these a seen token has no chance, or nothing else has: nothing a client could mean, and logits would overflow
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+MAX_TOKEN_LIST = 1024  # stop_token_ids, bad_words
+MAX_ALLOWED_TOKENS = 1 << 20  # allowed_token_ids: any subset of a vocabulary
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 PromptInput = str | list[str] | list[int] | list[list[int]]
 _PROMPT_SHAPE = "'prompt' must be a string, an array of strings, an array of tokens, or an array of token arrays"
+
+
+def _ext(description: str) -> Any:
+    """A field beyond the reference: not sent means off, and the OpenAPI document says what it does."""
+    return Field(default=None, description=description)
 
 
 class _Strict(BaseModel):
@@ -59,6 +69,39 @@ class CompletionRequest(_Strict):
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     user: str | None = None
+    # --- beyond the reference: vLLM's names for the knobs the best servers add (clients send them in extra_body) ---
+    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = _ext(
+        "sample among the k most likely tokens; 0 or -1: off"
+    )
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = _ext(
+        "drop tokens less likely than min_p times the most likely token's probability; 0: off"
+    )
+    repetition_penalty: Annotated[float, Field(ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)] | None = _ext(
+        "every token of the prompt and output so far: a positive logit divided by it, a negative one multiplied; 1: off"
+    )
+    min_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = _ext(
+        "before this many tokens, EOS and stop_token_ids cannot be sampled; stop strings are looked for from the"
+        " min_tokens-th token's text on"
+    )
+    ignore_eos: bool | None = _ext("the model's end-of-sequence token does not end the completion")
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_TOKEN_LIST)] | None = _ext(
+        "token ids that end the completion (finish_reason stop, stop_reason the id)"
+    )
+    include_stop_str_in_output: bool | None = _ext("a matched stop string stays at the end of the text")
+    skip_special_tokens: bool | None = _ext("leave special tokens out of the text (default true)")
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKENS)] | None = _ext(
+        "only these token ids may be generated"
+    )
+    bad_words: (
+        Annotated[
+            list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_TOKEN_LIST)
+        ]
+        | None
+    ) = _ext("words never to generate (as the text's first word or after a space)")
+    truncate_prompt_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = _ext(
+        "keep only the prompt's last k tokens"
+    )
+    return_token_ids: bool | None = _ext("each choice also carries prompt_token_ids and token_ids")
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -110,6 +153,15 @@ class CompletionRequest(_Strict):
             raise invalid_request(f"'best_of' ({self.best_of}) must be at least 'n' ({self.num_choices})", "best_of")
         if self.stream and self.best_of is not None and self.best_of > 1:
             raise invalid_request("'best_of' greater than 1 cannot be streamed", "best_of")
+        max_tokens = self.max_tokens if self.max_tokens is not None else DEFAULT_MAX_TOKENS
+        if self.min_tokens is not None and self.min_tokens > max_tokens:
+            raise invalid_request(
+                f"'min_tokens' ({self.min_tokens}) must not exceed 'max_tokens' ({max_tokens})", "min_tokens"
+            )
+        if self.truncate_prompt_tokens is not None and self.suffix is not None:
+            raise invalid_request(
+                "'truncate_prompt_tokens' cannot cut a fill-in-the-middle prompt ('suffix')", "truncate_prompt_tokens"
+            )
         return self
 
     # --- resolved values: user value → OpenAI default -----------------------------------------------------------
@@ -144,11 +196,20 @@ class CompletionRequest(_Strict):
             max_tokens=self.max_tokens if self.max_tokens is not None else DEFAULT_MAX_TOKENS,
             temperature=pick(self.temperature, DEFAULT_TEMPERATURE),
             top_p=pick(self.top_p, DEFAULT_TOP_P),
+            top_k=max(self.top_k or 0, 0),
+            min_p=pick(self.min_p, 0.0),
             presence_penalty=pick(self.presence_penalty, 0.0),
             frequency_penalty=pick(self.frequency_penalty, 0.0),
+            repetition_penalty=pick(self.repetition_penalty, 1.0),
             logit_bias={int(k): float(v) for k, v in (self.logit_bias or {}).items()},
+            allowed_token_ids=tuple(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
             seed=self.seed,
             stop=self.stop_sequences,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            min_tokens=self.min_tokens or 0,
+            ignore_eos=bool(self.ignore_eos),
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            skip_special_tokens=self.skip_special_tokens is not False,
             logprobs=self.logprobs,
             prompt_logprobs=self.logprobs if self.echo and self.logprobs is not None else None,
             n=self.num_candidates,
@@ -239,8 +300,18 @@ class CompletionMeta:
         }
 
 
-def choice(index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None) -> dict[str, Any]:
-    return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish_reason}
+def choice(
+    index: int,
+    text: str,
+    logprobs: dict[str, Any] | None,
+    finish_reason: str | None,
+    stop_reason: int | str | None = None,
+    token_ids: dict[str, list[int]] | None = None,
+) -> dict[str, Any]:
+    """OpenAI's choice, plus vLLM's `stop_reason` (the stop string or token id that ended it; null otherwise) and,
+    with `return_token_ids`, `prompt_token_ids` and `token_ids`."""
+    body = {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {**body, "stop_reason": stop_reason, **(token_ids or {})}
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

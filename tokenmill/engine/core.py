@@ -165,7 +165,10 @@ class EngineCore:
         keep = [i for i, (_, seq) in enumerate(to_sample) if not seq.is_finished]
         if len(keep) < len(to_sample):
             to_sample, logits = [to_sample[i] for i in keep], logits[keep]
-        inputs = [SampleInput(seq.params, seq.generator, seq.output_counts) for _, seq in to_sample]
+        inputs = [
+            SampleInput(seq.params, seq.generator, seq.output_counts, seq.banned_ids(self.eos_ids), seq.seen_ids)
+            for _, seq in to_sample
+        ]
         for (_, seq), result in zip(to_sample, sample_rows(logits, inputs)):
             if seq.is_finished:
                 continue  # another choice of its request failed
@@ -183,21 +186,23 @@ class EngineCore:
             top = [(t, self.token_text(t), lp) for t, lp in result.top]
             entry = TokenLogprob(result.token_id, self.token_text(result.token_id), result.logprob, top)
         seq.append_token(result.token_id, result.logprob, entry)
-        if result.token_id in self.eos_ids or result.token_id in seq.params.stop_token_ids:
+        token, p = result.token_id, seq.params
+        if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
+            seq.stop_reason = token if token in p.stop_token_ids else None  # vLLM's: EOS is no stop_reason
             self._finish(seq, FinishReason.STOP)
             return
-        seq.pending_text += seq.stop.feed(seq.detok.add(result.token_id))
-        if seq.stop.matched:
+        seq.pending_text += seq.stop.feed(seq.detok.add(token), check=not seq.below_min_tokens)
+        if seq.stop.matched is not None:
             self._finish(seq, FinishReason.STOP)
         elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
             self._finish(seq, FinishReason.LENGTH)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        if not seq.stop.matched:
-            seq.pending_text += seq.stop.feed(seq.detok.flush())
+        if seq.stop.matched is None:
+            seq.pending_text += seq.stop.feed(seq.detok.flush(), check=not seq.below_min_tokens)
             seq.pending_text += seq.stop.flush()
-        if seq.stop.matched:
-            reason = FinishReason.STOP
+        if seq.stop.matched is not None:
+            reason, seq.stop_reason = FinishReason.STOP, seq.stop.matched
         self.scheduler.finish(seq)
         seq.finish(reason)
 

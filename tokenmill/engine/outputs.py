@@ -33,6 +33,7 @@ class SequenceDelta:
     finish_reason: FinishReason | None = None
     cumulative_logprob: float = 0.0  # sum of chosen-token logprobs so far (ranks best_of)
     num_tokens: int = 0  # tokens generated so far in total
+    stop_reason: int | str | None = None  # with finish_reason STOP: the stop token id or string; None for EOS
 
 
 @dataclass

@@ -37,7 +37,7 @@ class RequestState:
         """Choice `index`, with its own generator: seeded requests mix the seed with the index, so choices differ."""
         seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
         generator = torch.Generator().manual_seed((seed * _SEED_MIX + index) % (1 << 63))
-        detok = IncrementalDetokenizer(tokenizer, self.prompt_ids)
+        detok = IncrementalDetokenizer(tokenizer, self.prompt_ids, self.params.skip_special_tokens)
         seq = Sequence(self.request_id, index, self.prompt_ids, self.params, detok, generator)
         self.seqs.append(seq)
         return seq
@@ -68,6 +68,7 @@ class RequestState:
             token_ids=seq.pending_ids,
             logprobs=seq.pending_logprobs if seq.params.logprobs is not None else None,
             finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
             cumulative_logprob=seq.cumulative_logprob,
             num_tokens=seq.num_output_tokens,
         )

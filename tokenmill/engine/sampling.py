@@ -14,13 +14,29 @@ class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # keep the k most likely tokens; 0: off
+    min_p: float = 0.0  # drop tokens less likely than min_p × the most likely one's probability; 0: off
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # Hugging Face's (and vLLM's): over every token of the prompt and the output so far, a positive logit is divided
+    # by it and a negative one multiplied; 1: off
+    repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled; None: every token
+    # Token sequences never to complete: a one-token word is banned outright, a longer one's last token is banned
+    # whenever the output so far ends with the rest of it.
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    # Tokens that end the sequence besides the model's EOS (a filled-in middle's end tokens), finish_reason "stop".
+    # Tokens that end the sequence besides the model's EOS (asked for, or a filled-in middle's end tokens),
+    # finish_reason "stop".
     stop_token_ids: tuple[int, ...] = ()
+    # before this many output tokens EOS and stop_token_ids are banned, and stop strings are looked for only in the
+    # text from the min_tokens-th token on
+    min_tokens: int = 0
+    ignore_eos: bool = False  # the model's EOS does not end the sequence (stop_token_ids still do)
+    include_stop_str_in_output: bool = False  # a matched stop string stays in the text
+    skip_special_tokens: bool = True  # special tokens (BOS, EOS, ...) are left out of the text
     # Top-k alternatives to report for each generated token; None: no logprobs wanted (the chosen token's logprob is
     # still tracked, it ranks best_of candidates).
     logprobs: int | None = None
@@ -36,3 +52,8 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def filters(self) -> bool:
+        """Whether sampling keeps only part of the distribution (top_k, min_p, top_p)."""
+        return self.top_k > 0 or self.min_p > 0.0 or self.top_p < 1.0

@@ -43,10 +43,13 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens reused from the prefix cache at first admission
         self.generator = generator
         self.detok = detok
-        self.stop = StopChecker(params.stop)
+        self.stop = StopChecker(params.stop, params.include_stop_str_in_output)
         self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.cumulative_logprob = 0.0
         self.output_counts: dict[int, int] = {}  # generated token id → times generated (penalties)
+        # every distinct token so far, prompt included: only kept when repetition_penalty needs it
+        self.seen_ids: set[int] = set(prompt_ids) if params.repetition_penalty != 1.0 else set()
         self.prompt_logprobs: list[TokenLogprob] | None = None  # set once every prompt position is scored
         self.partial_prompt_logprobs: list[TokenLogprob] = []
         # Output produced since the last time the engine reported on this sequence.
@@ -80,9 +83,28 @@ class Sequence:
         if logprob is not None:  # None: the request neither reports nor ranks by logprobs
             self.cumulative_logprob += logprob
         self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1
+        if self.params.repetition_penalty != 1.0:
+            self.seen_ids.add(token_id)
         self.pending_ids.append(token_id)
         if entry is not None:
             self.pending_logprobs.append(entry)
+
+    @property
+    def below_min_tokens(self) -> bool:
+        return self.num_output_tokens < self.params.min_tokens
+
+    def banned_ids(self, eos_ids: set[int]) -> list[int]:
+        """Tokens this sequence must not sample next: its end tokens before min_tokens, and the last token of any
+        bad word whose other tokens end the output (a one-token bad word always)."""
+        p = self.params
+        banned = [*(() if p.ignore_eos else eos_ids), *p.stop_token_ids] if self.below_min_tokens else []
+        if p.bad_words_ids:
+            output = self.output_ids
+            for word in p.bad_words_ids:
+                head = list(word[:-1])
+                if not head or output[len(output) - len(head) :] == head:
+                    banned.append(word[-1])
+        return banned
 
     def finish(self, reason: FinishReason) -> None:
         self.status = Status.FINISHED
