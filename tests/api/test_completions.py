@@ -43,8 +43,9 @@ PROMPT_FORMS: list[tuple[Any, list[list[int]]]] = [
     ("ab", [TOK.encode("ab")]),
     (["ab", "c"], [TOK.encode("ab"), TOK.encode("c")]),
     (TOK.encode("ab"), [TOK.encode("ab")]),
-    (TOK.encode("ab", add_special_tokens=False), [TOK.encode("ab", add_special_tokens=False)]),
-    ([TOK.encode("ab"), [7]], [TOK.encode("ab"), [7]]),
+    # token ids without the BOS this tokenizer starts every text with: the model reads one before them
+    (TOK.encode("ab", add_special_tokens=False), [TOK.encode("ab")]),
+    ([TOK.encode("ab"), [7]], [TOK.encode("ab"), [TOK.bos_id, 7]]),
     ("", [[TOK.bos_id]]),
     (None, [[TOK.bos_id]]),
 ]
@@ -96,8 +97,10 @@ def test_echo_of_token_ids_decodes_them(client: TestClient) -> None:
     assert out["choices"][0]["text"] == "<bos>HiTh"
 
 
-def assert_logprobs_consistent(choice: dict[str, Any], k: int) -> None:
+def assert_logprobs_consistent(choice: dict[str, Any], k: int, prompt: str = "") -> None:
+    """`prompt`: the prompt's text when it is not echoed (offsets then count from its start, as OpenAI's do)."""
     lp = choice["logprobs"]
+    choice = {**choice, "text": prompt + choice["text"]}
     assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
     assert len({len(v) for v in lp.values()}) == 1
     for top in lp["top_logprobs"]:
@@ -114,10 +117,10 @@ def test_logprobs_shape_and_top_bound(client: TestClient, k: int) -> None:
     lp = choice["logprobs"]
     assert lp["tokens"] == list(SCRIPT[:6])
     assert lp["token_logprobs"] == [token_logprob(0)] * 6
-    assert lp["text_offset"] == list(range(6))
+    assert lp["text_offset"] == list(range(2, 8))  # OpenAI's: from the prompt's start ("hi"), even without echo
     expected_keys = {0: {"T"}, 1: {"A", "T"}, 2: {"A", "T"}, 5: {"A", "B", "C", "D", "T"}}[k]
     assert all(set(top) == expected_keys for top in lp["top_logprobs"][:1])
-    assert_logprobs_consistent(choice, k)
+    assert_logprobs_consistent(choice, k, prompt="hi")
 
 
 def test_top_logprobs_keep_the_best_logprob_per_text(client: TestClient) -> None:
@@ -132,7 +135,8 @@ def test_echo_logprobs_for_scoring(client: TestClient) -> None:
     choice = out["choices"][0]
     assert choice["text"] == "Hi"
     lp = choice["logprobs"]
-    assert lp["tokens"] == ["<bos>", "H", "i"]
+    assert lp["tokens"] == ["", "H", "i"]  # the BOS the tokenizer added is not in the text: "" and no room
+    assert "".join(lp["tokens"]) == choice["text"]
     assert lp["token_logprobs"] == [None, -2.0, -2.0]
     assert lp["top_logprobs"][0] is None
     assert lp["top_logprobs"][1] == {"A": -1.5, "H": -2.0}

@@ -120,7 +120,7 @@ def test_context_error_states_both_numbers(client: TestClient) -> None:
 
 
 def test_prompt_plus_max_tokens_may_fill_the_context_exactly(client: TestClient) -> None:
-    response = client.post("/v1/completions", json=body(prompt=[5] * 120, max_tokens=8))
+    response = client.post("/v1/completions", json=body(prompt=[1] + [5] * 119, max_tokens=8))  # 1: BOS
     assert response.status_code == 200, response.text
 
 

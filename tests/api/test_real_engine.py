@@ -12,6 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.api.api_helpers import TINY_MODEL, call_then_disconnect, parse_sse, run, tiny_engine
+from tests.engine.tiny import NUM_SPECIAL, ByteTokenizer
 from tokenmill.api.app import create_app
 from tokenmill.config import Config
 
@@ -20,6 +21,9 @@ from tokenmill.config import Config
 def client() -> Iterator[TestClient]:
     with TestClient(create_app(tiny_engine(), Config())) as test_client:  # the lifespan starts the step loop
         yield test_client
+
+
+BOS = ByteTokenizer.bos_id
 
 
 def complete(client: TestClient, **fields: Any) -> dict[str, Any]:
@@ -114,3 +118,23 @@ def test_disconnect_mid_stream_frees_the_kv_blocks() -> None:
     # each chunk carries at least one token and each token of a choice takes its own step; 400 would be the full run
     assert max(chunks_per_choice.values()) <= stats["steps"] < 400
     assert stats["tokens_computed"] >= 2 * 6 + stats["steps"] - 2  # both prompts (<bos> + 5 bytes), then decodes
+
+
+def test_token_ids_without_bos_are_read_with_the_bos_the_model_needs_and_echoed_as_sent(client: TestClient) -> None:
+    sent = [NUM_SPECIAL + b for b in b"Hello there"]  # no BOS, as evaluation harnesses send them
+    with_bos = complete(client, prompt=[BOS, *sent], echo=True, logprobs=1, max_tokens=0)
+    without = complete(client, prompt=sent, echo=True, logprobs=1, max_tokens=0)
+    lp, full = without["choices"][0]["logprobs"], with_bos["choices"][0]["logprobs"]
+    assert without["choices"][0]["text"] == "Hello there" == "".join(lp["tokens"])  # exactly what was sent
+    assert lp["token_logprobs"] == full["token_logprobs"][1:]  # scored after the BOS: the first one too
+    assert lp["top_logprobs"] == full["top_logprobs"][1:]
+    assert without["usage"]["prompt_tokens"] == len(sent) + 1  # what the model read
+    assert with_bos["usage"]["prompt_tokens"] == len(sent) + 1  # ids that start with BOS are read as they are
+
+
+def test_text_offsets_count_from_the_prompts_start(client: TestClient) -> None:
+    plain = complete(client, prompt="Hi", logprobs=0, max_tokens=4)["choices"][0]
+    echoed = complete(client, prompt="Hi", logprobs=0, max_tokens=4, echo=True)["choices"][0]
+    assert plain["logprobs"]["text_offset"][0] == len("Hi")  # OpenAI's: the first generated token's is the prompt's
+    assert plain["logprobs"]["text_offset"] == echoed["logprobs"]["text_offset"][-4:]
+    assert "".join(echoed["logprobs"]["tokens"]) == echoed["text"]  # the BOS the text leaves out is ""

@@ -68,7 +68,8 @@ def test_lm_eval_local_completions_equals_hf_backend(
 
     special = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"}
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=reference.weights.tokenizer.backend, **special)
-    hf = HFLM(pretrained=reference.model, tokenizer=tokenizer, batch_size=8, add_bos_token=False, device="cpu")
+    # lm-eval's defaults, as a user runs it: its hf backend scores Gemma with the BOS the model needs
+    hf = HFLM(pretrained=reference.model, tokenizer=tokenizer, batch_size=8, device="cpu")
     hf_acc, local = evaluate(hf)
 
     assert len(served) == len(local) == 40

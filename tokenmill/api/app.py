@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenmill.api import errors, protocol
 from tokenmill.api.admission import RETRY_AFTER_S, Admission
-from tokenmill.api.completions import Completion, Engine
+from tokenmill.api.completions import Completion, Engine, adds_bos
 from tokenmill.api.errors import APIError
 from tokenmill.api.guard import RequestGuard
 from tokenmill.api.limits import RequestLimits
@@ -200,9 +200,7 @@ async def tokenizer_info(request: Request, model: str | None = None) -> dict[str
     """The fields lm-evaluation-harness's remote tokenizer (and vLLM's endpoint) expose; `?model=` picks whose."""
     engine = _engine(request, model)
     tok: Any = engine.tokenizer
-    add_bos = getattr(tok, "add_bos", None)
-    if add_bos is None:
-        add_bos = tok.bos_id is not None and tok.encode("a")[:1] == [tok.bos_id]
+    add_bos = adds_bos(tok)
     return {
         "tokenizer_class": type(tok).__name__,
         "bos_token": tok.bos_token,

@@ -77,10 +77,15 @@ class Engine(Protocol):
 
 @dataclass
 class Prompt:
-    token_ids: list[int]
+    token_ids: list[int]  # what the model reads
     text: str  # what echo returns: the string as sent, or the decoded token ids
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None  # the prompt tokens' own logprobs, for echo
+    hidden: int = 0  # leading tokens the model reads but the client did not send (an added BOS): echo leaves them out
+
+    @property
+    def echoed_logprobs(self) -> list[TokenLogprob]:
+        return (self.logprobs or [])[self.hidden :]
 
 
 # --- preparing: everything that can be a 400 happens before the first engine call ---------------------------------
@@ -93,7 +98,7 @@ def prepare_prompts(request: CompletionRequest, engine: Engine, max_tokens: int)
     if request.suffix:
         prompts = [_infill_prompt(item, request.suffix, tokenizer) for item in items]
     else:
-        prompts = [_prompt(item, tokenizer, bool(request.echo), request.truncate_prompt_tokens) for item in items]
+        prompts = [_prompt(item, tokenizer, request.truncate_prompt_tokens) for item in items]
     for prompt in prompts:
         if len(prompt.token_ids) + max_tokens > engine.max_model_len:
             raise context_length_exceeded(engine.max_model_len, len(prompt.token_ids), max_tokens)
@@ -116,16 +121,34 @@ def _check_in_vocabulary(ids: Sequence[int], vocab_size: int, param: str) -> Non
         raise invalid_request(f"'{param}' token id {bad} is outside the vocabulary [0, {vocab_size})", param)
 
 
-def _prompt(item: str | list[int], tokenizer: Tokenizer, echo: bool, keep_last: int | None = None) -> Prompt:
-    """`keep_last` (truncate_prompt_tokens): only the prompt's last tokens are kept; echo then returns their text."""
+def _prompt(item: str | list[int], tokenizer: Tokenizer, keep_last: int | None = None) -> Prompt:
+    """A text prompt gets BOS as the tokenizer adds it. A token-id prompt is read as sent, but for a model that
+    starts every text with BOS, one is put before ids that do not start with it, unseen by the client (echo and its
+    logprobs are the tokens sent): evaluation harnesses send ids without it (lm-evaluation-harness's remote tokenizer
+    asks for no special tokens), and the model scores text it was never trained to see without it.
+
+    `keep_last` (truncate_prompt_tokens): only the last tokens the model would read are kept; echo then returns their
+    text."""
     if isinstance(item, str):
-        ids = tokenizer.encode(item) or _document_start(tokenizer)
-        if keep_last is not None and len(ids) > keep_last:
-            return Prompt(ids[-keep_last:], tokenizer.decode(ids[-keep_last:]) if echo else "")
-        return Prompt(ids, item)
-    _check_in_vocabulary(item, tokenizer.vocab_size, "prompt")
-    ids = list(item) if keep_last is None else list(item[-keep_last:])
-    return Prompt(ids, tokenizer.decode(ids) if echo else "")
+        ids, text, hidden = tokenizer.encode(item) or _document_start(tokenizer), item, 0
+    else:
+        _check_in_vocabulary(item, tokenizer.vocab_size, "prompt")
+        bos = tokenizer.bos_id
+        added = [bos] if bos is not None and item[0] != bos and adds_bos(tokenizer) else []
+        ids, text, hidden = added + list(item), tokenizer.decode(item), len(added)
+    if keep_last is not None and len(ids) > keep_last:
+        cut = len(ids) - keep_last
+        ids, hidden = ids[cut:], max(hidden - cut, 0)
+        text = tokenizer.decode(ids)
+    return Prompt(ids, text, hidden=hidden)
+
+
+def adds_bos(tokenizer: Any) -> bool:
+    """Whether the tokenizer starts every encoded text with BOS (its settings, else what it does)."""
+    add_bos = getattr(tokenizer, "add_bos", None)
+    if add_bos is None:
+        add_bos = tokenizer.bos_id is not None and tokenizer.encode("a")[:1] == [tokenizer.bos_id]
+    return bool(add_bos)
 
 
 def _infill_prompt(item: str | list[int], suffix: str, tokenizer: Tokenizer) -> Prompt:
@@ -207,7 +230,7 @@ class Choice:
             return None
         fragment = empty_logprobs()
         if self.echo_pending:
-            extend_logprobs(fragment, self.builder.prompt(self.prompt.logprobs or [], self.prompt.text))
+            extend_logprobs(fragment, self.builder.prompt(self.prompt.echoed_logprobs, self.prompt.text))
         extend_logprobs(fragment, self.builder.generated(entries))
         if self.logprobs is None:
             self.logprobs = empty_logprobs()
@@ -244,13 +267,16 @@ class Completion:
         )
         width, echo, ids = self.params.n, bool(request.echo), bool(request.return_token_ids)
         self.choices = [
-            Choice(p * width + j, prompt, echo, self._builder(), ids)
+            Choice(p * width + j, prompt, echo, self._builder(prompt), ids)
             for p, prompt in enumerate(self.prompts)
             for j in range(width)
         ]
 
-    def _builder(self) -> LogprobsBuilder | None:
-        return LogprobsBuilder(self.request.logprobs) if self.request.logprobs is not None else None
+    def _builder(self, prompt: Prompt) -> LogprobsBuilder | None:
+        """Without echo, OpenAI's text_offset counts from the prompt's start: the first token's is the prompt's length."""
+        if self.request.logprobs is None:
+            return None
+        return LogprobsBuilder(self.request.logprobs, start=0 if self.request.echo else len(prompt.text))
 
     async def response(self) -> dict[str, Any]:
         async with aclosing(self._outputs()) as outputs:

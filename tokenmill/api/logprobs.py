@@ -6,6 +6,7 @@ non-streamed whole carry the same offsets. `-inf`/NaN never reach JSON: they bec
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -41,17 +42,19 @@ def top_logprobs(entry: TokenLogprob, k: int) -> dict[str, float] | None:
 
 
 class LogprobsBuilder:
-    def __init__(self, top_k: int) -> None:
+    def __init__(self, top_k: int, start: int = 0) -> None:
         self.top_k = top_k
-        self.offset = 0  # characters of the choice's text already covered
+        self.offset = start  # characters of the choice's text (with the prompt's, without echo) already covered
 
     def prompt(self, entries: Iterable[TokenLogprob], prompt_text: str) -> dict[str, list[Any]]:
-        """Echoed prompt tokens. Offsets follow the echoed text: a token whose text is not there (a BOS the tokenizer
-        added to a string prompt, say) takes no room, so `text_offset` stays an index into the returned text."""
+        """Echoed prompt tokens. Their texts and offsets follow the echoed text, so "".join(tokens) is the returned
+        text and `text_offset` an index into it: a token whose text is not there (a BOS the tokenizer added to a
+        string prompt, say) is reported as "" and takes no room."""
         fragment = empty_logprobs()
         for entry in entries:
-            self._append(fragment, entry)
-            if entry.text and prompt_text.startswith(entry.text, self.offset):
+            shown = entry.text and prompt_text.startswith(entry.text, self.offset)
+            self._append(fragment, entry if shown else dataclasses.replace(entry, text=""))
+            if shown:
                 self.offset += len(entry.text)
         self.offset = len(prompt_text)
         return fragment
