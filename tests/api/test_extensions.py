@@ -15,7 +15,7 @@ from tests.engine.tiny import NUM_SPECIAL, ByteTokenizer
 from tokenmill.api.app import create_app
 from tokenmill.config import Config
 
-EOS = ByteTokenizer.eos_id
+EOS, BOS = ByteTokenizer.eos_id, ByteTokenizer.bos_id
 PROMPT = "Hello"
 
 
@@ -181,6 +181,37 @@ def test_the_openai_client_sends_them_through_extra_body() -> None:
     assert len(choice["token_ids"]) == out.usage.completion_tokens >= 2 and "stop_reason" in choice
 
 
+def test_prompt_logprobs_in_vllms_shape_agree_with_echo(client: TestClient) -> None:
+    ids = [BOS, *(byte(c) for c in "Hello there")]
+    scored = complete(client, prompt=ids, prompt_logprobs=3, max_tokens=2)
+    echo = only(complete(client, prompt=ids, echo=True, logprobs=3, max_tokens=0))["logprobs"]
+    positions = only(scored)["prompt_logprobs"]
+    assert len(positions) == len(ids) and positions[0] is None
+    for position, token, want, top in zip(positions[1:], ids[1:], echo["token_logprobs"][1:], echo["top_logprobs"][1:]):
+        assert position[str(token)]["logprob"] == pytest.approx(want, abs=1e-6)
+        assert position[str(token)]["decoded_token"] == chr(token - NUM_SPECIAL)
+        ranked = sorted(position.values(), key=lambda v: v["rank"])
+        assert {1, 2, 3} <= {v["rank"] for v in ranked} and len(position) in (3, 4)  # the three likeliest + itself
+        assert [v["logprob"] for v in ranked] == sorted((v["logprob"] for v in ranked), reverse=True)
+        assert max(v["logprob"] for v in ranked) == pytest.approx(max(top.values()), abs=1e-6)
+        if position[str(token)]["rank"] > 3:  # not among them: below all three
+            assert want < min(v["logprob"] for v in ranked[:3])
+    assert only(complete(client, prompt=ids, max_tokens=2)).get("prompt_logprobs") is None  # only when asked
+
+
+def test_prompt_logprobs_stream_once_per_choice(client: TestClient) -> None:
+    fields = {"model": TINY_MODEL, "prompt": "Hey", "max_tokens": 4, "temperature": 0, "prompt_logprobs": 1, "n": 2}
+    whole = client.post("/v1/completions", json=fields).json()
+    events = parse_sse(client.post("/v1/completions", json={**fields, "stream": True}).text)
+    seen: dict[int, Any] = {}
+    for chunk in events[:-1]:
+        for c in chunk["choices"]:
+            if "prompt_logprobs" in c:
+                assert c["index"] not in seen
+                seen[c["index"]] = c["prompt_logprobs"]
+    assert seen == {c["index"]: c["prompt_logprobs"] for c in whole["choices"]}
+
+
 # --- bad values ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("fields", "param"),
@@ -207,6 +238,8 @@ def test_the_openai_client_sends_them_through_extra_body() -> None:
         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
         ({"truncate_prompt_tokens": 2, "suffix": "x"}, "truncate_prompt_tokens"),
         ({"return_token_ids": 1}, "return_token_ids"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
     ],
 )
 def test_bad_values_are_400s_naming_the_field(client: TestClient, fields: dict[str, Any], param: str) -> None:

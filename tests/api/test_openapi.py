@@ -25,6 +25,7 @@ EXTENSIONS = (  # vLLM's names, after the reference's fields
     "bad_words",
     "truncate_prompt_tokens",
     "return_token_ids",
+    "prompt_logprobs",
 )
 
 

@@ -29,7 +29,7 @@ from tokenmill.api.errors import (
     service_unavailable,
 )
 from tokenmill.api.limits import RequestLimits
-from tokenmill.api.logprobs import LogprobsBuilder, empty_logprobs, extend_logprobs, finite
+from tokenmill.api.logprobs import LogprobsBuilder, empty_logprobs, extend_logprobs, finite, vllm_prompt_logprobs
 from tokenmill.api.protocol import CompletionMeta, CompletionRequest
 from tokenmill.engine.outputs import FinishReason, RequestOutput, SequenceDelta, TokenLogprob
 from tokenmill.engine.sampling import SamplingParams
@@ -180,6 +180,7 @@ class Choice:
     echo_pending: bool
     builder: LogprobsBuilder | None
     return_token_ids: bool = False
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: top-k per prompt token
     text: list[str] = field(default_factory=list)
     logprobs: dict[str, list[Any]] | None = None
     finish_reason: str | None = None
@@ -187,7 +188,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     num_tokens: int = 0
-    sent_prompt_ids: bool = False  # streamed: the prompt's token ids go with the choice's first chunk
+    sent_prompt_extras: bool = False  # streamed: the prompt's token ids and logprobs go with the choice's first chunk
 
     def update(self, delta: SequenceDelta) -> dict[str, Any] | None:
         """Fold in one delta; return its stream piece (None when there is nothing to show)."""
@@ -217,13 +218,15 @@ class Choice:
 
     def piece(self, text: str, logprobs: dict[str, Any] | None, token_ids: list[int]) -> dict[str, Any]:
         """This choice's wire object for `text` (a stream piece, or the whole text with the whole token ids)."""
-        ids = None
+        extras: dict[str, Any] = {}
+        first = not self.sent_prompt_extras
+        self.sent_prompt_extras = True
         if self.return_token_ids:
-            ids = {"token_ids": token_ids}
-            if not self.sent_prompt_ids:
-                ids = {"prompt_token_ids": self.prompt.token_ids, **ids}
-                self.sent_prompt_ids = True
-        return protocol.choice(self.index, text, logprobs, self.finish_reason, self.stop_reason, ids)
+            extras = {"prompt_token_ids": self.prompt.token_ids} if first else {}
+            extras["token_ids"] = token_ids
+        if self.prompt_logprobs is not None and first:
+            extras["prompt_logprobs"] = vllm_prompt_logprobs(self.prompt.echoed_logprobs, self.prompt_logprobs)
+        return protocol.choice(self.index, text, logprobs, self.finish_reason, self.stop_reason, extras)
 
     def _logprobs_fragment(self, entries: list[TokenLogprob]) -> dict[str, list[Any]] | None:
         if self.builder is None:
@@ -267,7 +270,7 @@ class Completion:
         )
         width, echo, ids = self.params.n, bool(request.echo), bool(request.return_token_ids)
         self.choices = [
-            Choice(p * width + j, prompt, echo, self._builder(prompt), ids)
+            Choice(p * width + j, prompt, echo, self._builder(prompt), ids, request.prompt_logprobs)
             for p, prompt in enumerate(self.prompts)
             for j in range(width)
         ]
@@ -332,7 +335,7 @@ class Completion:
             if width > n:
                 candidates = sorted(candidates, key=lambda c: -c.mean_logprob)[:n]
             for j, c in enumerate(candidates):
-                c.index, c.sent_prompt_ids = p * n + j, False
+                c.index, c.sent_prompt_extras = p * n + j, False
                 result.append(c.piece("".join(c.text), c.logprobs, c.token_ids))
         return result
 

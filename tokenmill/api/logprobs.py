@@ -41,6 +41,25 @@ def top_logprobs(entry: TokenLogprob, k: int) -> dict[str, float] | None:
     return dict(sorted(best.items(), key=lambda item: -item[1]))
 
 
+def vllm_prompt_logprobs(entries: Iterable[TokenLogprob], k: int) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, null where it has no context, else a map token id → {logprob, rank,
+    decoded_token} holding the prompt token itself and the k likeliest tokens."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for entry in entries:
+        if entry.logprob is None:
+            out.append(None)
+            continue
+        position = {str(entry.token_id): _vllm_entry(entry.logprob, entry.rank, entry.text)}
+        for rank, (token_id, text, logprob) in enumerate(entry.top[:k], start=1):
+            position.setdefault(str(token_id), _vllm_entry(logprob, rank, text))
+        out.append(position)
+    return out
+
+
+def _vllm_entry(logprob: float, rank: int | None, text: str) -> dict[str, Any]:
+    return {"logprob": finite(logprob), "rank": rank, "decoded_token": text}
+
+
 class LogprobsBuilder:
     def __init__(self, top_k: int, start: int = 0) -> None:
         self.top_k = top_k

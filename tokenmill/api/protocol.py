@@ -29,6 +29,7 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 MAX_TOKEN_LIST = 1024  # stop_token_ids, bad_words
 MAX_ALLOWED_TOKENS = 1 << 20  # allowed_token_ids: any subset of a vocabulary
+MAX_PROMPT_LOGPROBS = 20  # vLLM's default max_logprobs
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 PromptInput = str | list[str] | list[int] | list[list[int]]
@@ -102,6 +103,10 @@ class CompletionRequest(_Strict):
         "keep only the prompt's last k tokens"
     )
     return_token_ids: bool | None = _ext("each choice also carries prompt_token_ids and token_ids")
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_PROMPT_LOGPROBS)] | None = _ext(
+        "each choice also carries prompt_logprobs: per prompt token (null for the first), its logprob, rank and text"
+        " and those of the k likeliest tokens, keyed by token id"
+    )
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -181,6 +186,12 @@ class CompletionRequest(_Strict):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
     @property
+    def prompt_top_k(self) -> int | None:
+        """Alternatives to compute per prompt token: for echo's logprobs and for prompt_logprobs; None: none wanted."""
+        wanted = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        return max(wanted) if wanted else None
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
@@ -211,7 +222,7 @@ class CompletionRequest(_Strict):
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             skip_special_tokens=self.skip_special_tokens is not False,
             logprobs=self.logprobs,
-            prompt_logprobs=self.logprobs if self.echo and self.logprobs is not None else None,
+            prompt_logprobs=self.prompt_top_k,
             n=self.num_candidates,
         )
 
@@ -306,12 +317,12 @@ def choice(
     logprobs: dict[str, Any] | None,
     finish_reason: str | None,
     stop_reason: int | str | None = None,
-    token_ids: dict[str, list[int]] | None = None,
+    extras: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """OpenAI's choice, plus vLLM's `stop_reason` (the stop string or token id that ended it; null otherwise) and,
-    with `return_token_ids`, `prompt_token_ids` and `token_ids`."""
+    """OpenAI's choice, plus vLLM's `stop_reason` (the stop string or token id that ended it; null otherwise) and the
+    `extras` asked for (`prompt_token_ids` and `token_ids`, `prompt_logprobs`)."""
     body = {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish_reason}
-    return {**body, "stop_reason": stop_reason, **(token_ids or {})}
+    return {**body, "stop_reason": stop_reason, **(extras or {})}
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

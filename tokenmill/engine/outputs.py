@@ -20,6 +20,7 @@ class TokenLogprob:
     text: str  # the text this token added to the output ("" while a UTF-8 character is still incomplete)
     logprob: float | None  # None for the first prompt token, which has no context to be predicted from
     top: list[tuple[int, str, float]] = field(default_factory=list)  # (token id, token text, logprob)
+    rank: int | None = None  # prompt tokens: 1 + how many tokens the model found likelier
 
 
 @dataclass

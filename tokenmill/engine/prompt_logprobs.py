@@ -36,11 +36,13 @@ def prompt_logprob_entries(
         hi = min(lo + ROWS_PER_SLICE, num_rows)
         logprobs = torch.log_softmax(runner.logits(hidden[lo:hi]), dim=-1)  # (R, V)
         targets = torch.tensor(token_ids[start + lo + 1 : start + hi + 1])  # (R,)
-        chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+        chosen_t = logprobs.gather(1, targets[:, None])  # (R, 1)
+        ranks = (1 + (logprobs > chosen_t).sum(dim=-1)).tolist()
+        chosen = chosen_t[:, 0].tolist()
         top_vals, top_ids = torch.topk(logprobs, top_k, dim=-1) if top_k else (None, None)
         for r, target in enumerate(targets.tolist()):
             top = []
             if top_ids is not None and top_vals is not None:
                 top = [(t, token_text(t), v) for t, v in zip(top_ids[r].tolist(), top_vals[r].tolist())]
-            entries.append(TokenLogprob(target, token_text(target), chosen[r], top))
+            entries.append(TokenLogprob(target, token_text(target), chosen[r], top, ranks[r]))
     return entries
