@@ -25,6 +25,8 @@ EXTENSIONS = (  # vLLM's names, after the reference's fields
     "bad_words",
     "truncate_prompt_tokens",
     "return_token_ids",
+    "structured_outputs",
+    "response_format",
     "prompt_logprobs",
 )
 

@@ -192,5 +192,19 @@ def test_knobs_leave_other_rows_of_the_batch_alone() -> None:
     alone = sample(WIDE[1:2].clone(), [free])[0]
     knobs = [row(top_k=2, seed=1), row(seed=4, temperature=0.9, logprobs=2), row(min_p=0.3, allowed_token_ids=(1, 2))]
     knobs[0].banned = [0, 1]
+    knobs[2].mask = torch.arange(50) % 2 == 0  # a grammar's mask, as structured outputs give one
     beside = sample(WIDE.clone(), knobs)[1]
     assert (beside.token_id, beside.logprob, beside.top) == (alone.token_id, alone.logprob, alone.top)
+
+
+def test_a_grammar_mask_keeps_only_its_tokens_and_is_undone() -> None:
+    logits = WIDE.clone()
+    mask = torch.zeros(50, dtype=torch.bool)
+    mask[[4, 17, 33]] = True
+    greedy = SampleInput(SamplingParams(temperature=0.0), None, {}, mask=mask)
+    assert sample(logits, [greedy])[0].token_id == max((4, 17, 33), key=lambda t: float(WIDE[0, t]))
+    draws = {
+        sample(logits, [SampleInput(SamplingParams(), torch.Generator().manual_seed(s), {}, mask=mask)])[0].token_id
+        for s in range(50)
+    }
+    assert draws <= {4, 17, 33} and torch.equal(logits, WIDE)

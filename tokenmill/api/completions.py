@@ -31,6 +31,8 @@ from tokenmill.api.errors import (
 from tokenmill.api.limits import RequestLimits
 from tokenmill.api.logprobs import LogprobsBuilder, empty_logprobs, extend_logprobs, finite, vllm_prompt_logprobs
 from tokenmill.api.protocol import CompletionMeta, CompletionRequest
+from tokenmill.engine import guided
+from tokenmill.engine.guided import GuideError
 from tokenmill.engine.outputs import FinishReason, RequestOutput, SequenceDelta, TokenLogprob
 from tokenmill.engine.sampling import SamplingParams
 
@@ -258,6 +260,12 @@ class Completion:
         if request.bad_words:
             self.params = dataclasses.replace(self.params, bad_words_ids=bad_words_ids(request.bad_words, engine))
         _check_something_is_allowed(self.params, engine.tokenizer)
+        if self.params.guide is not None:
+            param = "structured_outputs" if request.structured_outputs is not None else "response_format"
+            try:
+                guided.check(self.params.guide, engine.tokenizer)
+            except GuideError as exc:
+                raise invalid_request(f"'{param}' cannot be used: {exc}", param) from None
         self.limits.check_counts(len(_prompt_items(request.prompt)), self.params.n)
         self.prompts = prepare_prompts(request, engine, self.params.max_tokens)
         self.limits.check_prompt_tokens([len(p.token_ids) for p in self.prompts])

@@ -7,14 +7,16 @@ honour is rejected with a 400 naming it (unknown fields included), never silentl
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import ErrorDetails, PydanticCustomError
 
 from tokenmill.api.errors import APIError, invalid_request
+from tokenmill.engine.guided import Guide, json_schema_guide
 from tokenmill.engine.sampling import SamplingParams
 
 DEFAULT_MAX_TOKENS = 16
@@ -30,6 +32,7 @@ MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 MAX_TOKEN_LIST = 1024  # stop_token_ids, bad_words
 MAX_ALLOWED_TOKENS = 1 << 20  # allowed_token_ids: any subset of a vocabulary
 MAX_PROMPT_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_GRAMMAR_CHARS = 1 << 16
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 PromptInput = str | list[str] | list[int] | list[list[int]]
@@ -49,6 +52,66 @@ class _Strict(BaseModel):
 class StreamOptions(_Strict):
     include_usage: bool | None = None
     include_obfuscation: bool | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs`: exactly one constraint."""
+
+    json_: dict[str, Any] | bool | None = Field(default=None, alias="json")  # a JSON Schema (true: any JSON value)
+    regex: Annotated[str, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)] | None = None
+    choice: (
+        Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_TOKEN_LIST)] | None
+    ) = None
+    grammar: Annotated[str, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)] | None = None  # Lark or GBNF
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        values = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar}
+        given = [name for name, value in values.items() if value is not None]
+        if len(given) != 1:
+            raise invalid_request(
+                f"'structured_outputs' takes exactly one of json, regex, choice, grammar; got {given or 'none'}",
+                "structured_outputs",
+            )
+        return self
+
+    def to_guide(self) -> Guide:
+        if self.json_ is not None:
+            return json_schema_guide(self.json_ if isinstance(self.json_, dict) else {})
+        if self.regex is not None:
+            return Guide("regex", self.regex)
+        if self.choice is not None:
+            return Guide("regex", "|".join(re.escape(c) for c in self.choice))
+        assert self.grammar is not None
+        return Guide("grammar", self.grammar)
+
+
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """`response_format` as vLLM and SGLang take it on completions."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise invalid_request(
+                "'response_format' needs 'json_schema' exactly when its type is 'json_schema'", "response_format"
+            )
+        return self
+
+    def to_guide(self) -> Guide | None:
+        if self.type == "text":
+            return None
+        schema = self.json_schema.schema_ if self.json_schema is not None else {"type": "object"}
+        return json_schema_guide(schema)
 
 
 class CompletionRequest(_Strict):
@@ -103,6 +166,13 @@ class CompletionRequest(_Strict):
         "keep only the prompt's last k tokens"
     )
     return_token_ids: bool | None = _ext("each choice also carries prompt_token_ids and token_ids")
+    structured_outputs: StructuredOutputs | None = _ext(
+        "the text must follow exactly one of: a JSON Schema (json), a regex (regex), one of a list of strings"
+        " (choice), a Lark or GBNF grammar (grammar)"
+    )
+    response_format: ResponseFormat | None = _ext(
+        "json_object: the text is a JSON object; json_schema: it follows json_schema.schema; text: no constraint"
+    )
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_PROMPT_LOGPROBS)] | None = _ext(
         "each choice also carries prompt_logprobs: per prompt token (null for the first), its logprob, rank and text"
         " and those of the k likeliest tokens, keyed by token id"
@@ -163,6 +233,10 @@ class CompletionRequest(_Strict):
             raise invalid_request(
                 f"'min_tokens' ({self.min_tokens}) must not exceed 'max_tokens' ({max_tokens})", "min_tokens"
             )
+        if self.structured_outputs is not None and self.response_format is not None:
+            raise invalid_request(
+                "'structured_outputs' and 'response_format' both constrain the text: send one", "response_format"
+            )
         if self.truncate_prompt_tokens is not None and self.suffix is not None:
             raise invalid_request(
                 "'truncate_prompt_tokens' cannot cut a fill-in-the-middle prompt ('suffix')", "truncate_prompt_tokens"
@@ -184,6 +258,12 @@ class CompletionRequest(_Strict):
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def guide(self) -> Guide | None:
+        if self.structured_outputs is not None:
+            return self.structured_outputs.to_guide()
+        return self.response_format.to_guide() if self.response_format is not None else None
 
     @property
     def prompt_top_k(self) -> int | None:
@@ -221,6 +301,7 @@ class CompletionRequest(_Strict):
             ignore_eos=bool(self.ignore_eos),
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             skip_special_tokens=self.skip_special_tokens is not False,
+            guide=self.guide,
             logprobs=self.logprobs,
             prompt_logprobs=self.prompt_top_k,
             n=self.num_candidates,

@@ -66,7 +66,8 @@ class EngineCore:
     # ---- requests in and out ----
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Queues a request. One the core cannot take fails alone: its error output comes with the next step."""
-        state = self.requests[request_id] = RequestState(request_id, list(prompt_ids), params)
+        state = RequestState(request_id, list(prompt_ids), params, vocab_size=self.runner.cfg.vocab_size)
+        self.requests[request_id] = state
         try:
             parent = state.add_sequence(0, self.tokenizer)
             if params.max_tokens == 0 and params.prompt_logprobs is None:
@@ -166,7 +167,14 @@ class EngineCore:
         if len(keep) < len(to_sample):
             to_sample, logits = [to_sample[i] for i in keep], logits[keep]
         inputs = [
-            SampleInput(seq.params, seq.generator, seq.output_counts, seq.banned_ids(self.eos_ids), seq.seen_ids)
+            SampleInput(
+                seq.params,
+                seq.generator,
+                seq.output_counts,
+                seq.banned_ids(self.eos_ids),
+                seq.seen_ids,
+                seq.guided.allowed() if seq.guided is not None else None,
+            )
             for _, seq in to_sample
         ]
         for (_, seq), result in zip(to_sample, sample_rows(logits, inputs)):
@@ -187,12 +195,14 @@ class EngineCore:
             entry = TokenLogprob(result.token_id, self.token_text(result.token_id), result.logprob, top)
         seq.append_token(result.token_id, result.logprob, entry)
         token, p = result.token_id, seq.params
+        if seq.guided is not None:
+            seq.guided.advance(token)
         if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
             seq.stop_reason = token if token in p.stop_token_ids else None  # vLLM's: EOS is no stop_reason
             self._finish(seq, FinishReason.STOP)
             return
         seq.pending_text += seq.stop.feed(seq.detok.add(token), check=not seq.below_min_tokens)
-        if seq.stop.matched is not None:
+        if seq.stop.matched is not None or (seq.guided is not None and seq.guided.done):
             self._finish(seq, FinishReason.STOP)
         elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
             self._finish(seq, FinishReason.LENGTH)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.engine.detok import IncrementalDetokenizer
+from tokenmill.engine.guided import GuidedState
 from tokenmill.engine.outputs import RequestOutput, SequenceDelta
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.engine.sequence import Sequence
@@ -28,6 +29,7 @@ class RequestState:
     seqs: list[Sequence] = field(default_factory=list)  # choice j at index j
     reported: set[int] = field(default_factory=set)  # seq indices whose finish has been reported
     sent_first: bool = False
+    vocab_size: int = 0  # the model's logits width (a grammar's token masks are this wide)
 
     @property
     def is_finished(self) -> bool:
@@ -38,7 +40,9 @@ class RequestState:
         seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
         generator = torch.Generator().manual_seed((seed * _SEED_MIX + index) % (1 << 63))
         detok = IncrementalDetokenizer(tokenizer, self.prompt_ids, self.params.skip_special_tokens)
-        seq = Sequence(self.request_id, index, self.prompt_ids, self.params, detok, generator)
+        guide = self.params.guide
+        guided = GuidedState(guide, tokenizer, self.vocab_size) if guide is not None else None
+        seq = Sequence(self.request_id, index, self.prompt_ids, self.params, detok, generator, guided)
         self.seqs.append(seq)
         return seq
 

@@ -7,6 +7,10 @@ The API layer resolves user value → server default → OpenAI default before b
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenmill.engine.guided import Guide
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,7 @@ class SamplingParams:
     ignore_eos: bool = False  # the model's EOS does not end the sequence (stop_token_ids still do)
     include_stop_str_in_output: bool = False  # a matched stop string stays in the text
     skip_special_tokens: bool = True  # special tokens (BOS, EOS, ...) are left out of the text
+    guide: Guide | None = None  # structured outputs: the grammar the text must follow (engine/guided.py)
     # Top-k alternatives to report for each generated token; None: no logprobs wanted (the chosen token's logprob is
     # still tracked, it ranks best_of candidates).
     logprobs: int | None = None

@@ -8,6 +8,7 @@ from enum import Enum, auto
 import torch
 
 from tokenmill.engine.detok import IncrementalDetokenizer
+from tokenmill.engine.guided import GuidedState
 from tokenmill.engine.outputs import FinishReason, TokenLogprob
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.engine.stop import StopChecker
@@ -30,6 +31,7 @@ class Sequence:
         params: SamplingParams,
         detok: IncrementalDetokenizer,
         generator: torch.Generator | None,
+        guided: GuidedState | None = None,
     ) -> None:
         self.seq_id = next(_ids)
         self.request_id = request_id
@@ -46,6 +48,7 @@ class Sequence:
         self.stop = StopChecker(params.stop, params.include_stop_str_in_output)
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        self.guided = guided  # its place in a structured-output grammar
         self.cumulative_logprob = 0.0
         self.output_counts: dict[int, int] = {}  # generated token id → times generated (penalties)
         # every distinct token so far, prompt included: only kept when repetition_penalty needs it

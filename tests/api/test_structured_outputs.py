@@ -1,0 +1,168 @@
+"""Structured outputs over HTTP on the real engine: a tiny random Llama with the tiny tokenizers-backed vocabulary,
+so every choice's text is what the grammar allows, whatever the random weights would rather say."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.api.api_helpers import assert_openai_error, parse_sse
+from tests.model.families import BY_NAME, write_hf_model
+from tokenmill.api.app import create_app
+from tokenmill.config import Config
+from tokenmill.engine.engine import AsyncEngine
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClient, str]]:
+    directory: Path = tmp_path_factory.mktemp("structured")
+    write_hf_model(directory, BY_NAME["llama"])
+    config = Config(model=str(directory), cache_dir=str(directory / "cache"), dtype="float32", quantization="none")
+    engine = AsyncEngine.from_config(config)
+    with TestClient(create_app(engine, config)) as client:
+        yield client, engine.model_name
+
+
+def complete(served: tuple[TestClient, str], **fields: Any) -> dict[str, Any]:
+    client, model = served
+    body = {"model": model, "prompt": "hello", "max_tokens": 48, "temperature": 1.0, "seed": 3, **fields}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def texts(out: dict[str, Any]) -> list[str]:
+    assert all(c["finish_reason"] == "stop" for c in out["choices"]), out["choices"]
+    return [c["text"] for c in out["choices"]]
+
+
+def test_json_schema_outputs_validate(served: tuple[TestClient, str]) -> None:
+    for constraint in ({"structured_outputs": {"json": SCHEMA}}, {"response_format": json_schema_format(SCHEMA)}):
+        for text in texts(complete(served, n=3, **constraint)):
+            jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def json_schema_format(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+
+
+def test_json_object_is_an_object(served: tuple[TestClient, str]) -> None:
+    out = complete(served, response_format={"type": "json_object"}, max_tokens=64, temperature=0.7, n=2)
+    for choice in out["choices"]:
+        if choice["finish_reason"] == "stop":
+            assert isinstance(json.loads(choice["text"]), dict)
+        else:  # max_tokens ran out first: what there is begins an object
+            assert choice["finish_reason"] == "length" and choice["text"].startswith("{")
+
+
+def test_regex_choice_and_grammars(served: tuple[TestClient, str]) -> None:
+    assert all(
+        re.fullmatch(r"[ab]{2,4}c", t) for t in texts(complete(served, structured_outputs={"regex": "[ab]{2,4}c"}, n=4))
+    )
+    assert set(texts(complete(served, structured_outputs={"choice": ["red", "green", "blue"]}, n=6))) <= {
+        "red",
+        "green",
+        "blue",
+    }
+    lark = 'start: "the " ANIMAL\nANIMAL: "cat" | "dog"'
+    gbnf = 'root ::= "the " animal\nanimal ::= "cat" | "dog"'
+    for grammar in (lark, gbnf):
+        assert set(texts(complete(served, structured_outputs={"grammar": grammar}, n=3))) <= {"the cat", "the dog"}
+
+
+def test_with_stream_echo_logprobs_and_seed(served: tuple[TestClient, str]) -> None:
+    client, model = served
+    constraint = {"structured_outputs": {"regex": "(yes|no)!"}, "logprobs": 1, "echo": True, "n": 2, "seed": 9}
+    whole = complete(served, **constraint)
+    again = complete(served, **constraint)
+    assert whole["choices"] == again["choices"]  # seeded: the same alone and again
+    body = {"model": model, "prompt": "hello", "max_tokens": 48, "temperature": 1.0, **constraint, "stream": True}
+    events = parse_sse(client.post("/v1/completions", json=body).text)
+    streamed: dict[int, str] = {}
+    for chunk in events[:-1]:
+        for c in chunk["choices"]:
+            streamed[c["index"]] = streamed.get(c["index"], "") + c["text"]
+    assert streamed == {c["index"]: c["text"] for c in whole["choices"]}
+    for c in whole["choices"]:
+        assert c["text"].startswith("hello") and re.fullmatch("(yes|no)!", c["text"][len("hello") :])
+
+
+def test_max_tokens_first_is_length(served: tuple[TestClient, str]) -> None:
+    out = complete(served, structured_outputs={"regex": "a{20}"}, max_tokens=3)
+    assert out["choices"][0]["finish_reason"] == "length" and re.fullmatch("a*", out["choices"][0]["text"])
+
+
+def test_a_constrained_row_leaves_a_free_one_alone(served: tuple[TestClient, str]) -> None:
+    """A free request gets the same text alone as while constrained requests run beside it (same steps)."""
+    alone = complete(served, max_tokens=12, temperature=0, logprobs=1)["choices"]
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(complete, served, structured_outputs={"regex": "[xy]{12}"}, n=2) for _ in range(3)]
+        beside = pool.submit(complete, served, max_tokens=12, temperature=0, logprobs=1)
+        assert beside.result()["choices"] == alone
+        assert all(re.fullmatch("[xy]{12}", t) for f in futures for t in texts(f.result()))
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"structured_outputs": {}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs"),
+        ({"structured_outputs": {"json": {"type": "no-such-type"}}}, "structured_outputs"),
+        ({"structured_outputs": {"grammar": "start: ( unclosed"}}, "structured_outputs"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+        ({"structured_outputs": {"xml": "<a/>"}}, "structured_outputs"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "response_format"),
+    ],
+)
+def test_bad_constraints_are_400s_naming_the_field(
+    served: tuple[TestClient, str], fields: dict[str, Any], param: str
+) -> None:
+    client, model = served
+    error = assert_openai_error(client.post("/v1/completions", json={"model": model, "prompt": "x", **fields}), 400)
+    assert error["param"].split(".")[0] == param, error  # a nested unknown key is named in full
+
+
+# --- property: random simple regexes and schemas are always met -----------------------------------------------------
+atoms = st.sampled_from(["a", "b", "c", "[ab]", "[a-c]", "(ab|c)", "x?"])
+regexes = st.lists(st.tuples(atoms, st.sampled_from(["", "{1,3}", "+"])), min_size=1, max_size=4).map(
+    lambda parts: "".join(a + (q if not a.endswith("?") else "") for a, q in parts) + "!"
+)
+schemas = st.fixed_dictionaries(
+    {"k": st.sampled_from([{"type": "boolean"}, {"type": "integer", "minimum": 0, "maximum": 9}, {"enum": ["u", "v"]}])}
+).map(lambda props: {"type": "object", "properties": props, "required": ["k"], "additionalProperties": False})
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pattern=regexes, seed=st.integers(0, 1000))
+def test_random_regexes_are_always_matched(served: tuple[TestClient, str], pattern: str, seed: int) -> None:
+    out = complete(served, structured_outputs={"regex": pattern}, seed=seed, max_tokens=40)
+    choice = out["choices"][0]
+    if choice["finish_reason"] == "stop":
+        assert re.fullmatch(pattern, choice["text"]), (pattern, choice["text"])
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(schema=schemas, seed=st.integers(0, 1000))
+def test_random_schemas_are_always_met(served: tuple[TestClient, str], schema: dict[str, Any], seed: int) -> None:
+    [text] = texts(complete(served, structured_outputs={"json": schema}, seed=seed))
+    jsonschema.validate(json.loads(text), schema)
