@@ -11,12 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import openai
 import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.api.api_helpers import assert_openai_error, parse_sse
+from tests.api.api_helpers import assert_openai_error, parse_sse, with_client
 from tests.model.families import BY_NAME, write_hf_model
 from tokenmill.api.app import create_app
 from tokenmill.config import Config
@@ -112,11 +113,53 @@ def test_max_tokens_first_is_length(served: tuple[TestClient, str]) -> None:
 def test_a_constrained_row_leaves_a_free_one_alone(served: tuple[TestClient, str]) -> None:
     """A free request gets the same text alone as while constrained requests run beside it (same steps)."""
     alone = complete(served, max_tokens=12, temperature=0, logprobs=1)["choices"]
+    constrained = {"structured_outputs": {"regex": "[xy]{12}"}, "n": 2, "logprobs": 1}
+    seeded_alone = complete(served, **constrained)["choices"]
     with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(complete, served, structured_outputs={"regex": "[xy]{12}"}, n=2) for _ in range(3)]
+        futures = [pool.submit(complete, served, **constrained) for _ in range(3)]
         beside = pool.submit(complete, served, max_tokens=12, temperature=0, logprobs=1)
         assert beside.result()["choices"] == alone
-        assert all(re.fullmatch("[xy]{12}", t) for f in futures for t in texts(f.result()))
+        # and the seeded constrained requests give under load what they give alone
+        assert all(f.result()["choices"] == seeded_alone for f in futures)
+    assert all(re.fullmatch("[xy]{12}", t) for t in texts({"choices": seeded_alone}))
+
+
+def test_with_best_of_and_stop(served: tuple[TestClient, str]) -> None:
+    best = complete(served, structured_outputs={"choice": ["alpha", "beta", "gamma"]}, best_of=3, n=1)
+    assert texts(best)[0] in {"alpha", "beta", "gamma"}
+    cut = complete(served, structured_outputs={"regex": "ab(c|d)e"}, stop=["c", "d"])["choices"][0]
+    assert (cut["text"], cut["finish_reason"]) == ("ab", "stop")  # the stop string ends it inside the grammar
+
+
+def test_the_openai_client_sends_them_through_extra_body(tmp_path: Path) -> None:
+    write_hf_model(tmp_path, BY_NAME["llama"])
+    config = Config(model=str(tmp_path), cache_dir=str(tmp_path / "cache"), dtype="float32", quantization="none")
+    engine = AsyncEngine.from_config(config)
+    app = create_app(engine, config)
+
+    async def use(client: openai.AsyncOpenAI) -> Any:
+        await engine.start()  # on this event loop (the ASGI transport runs no lifespan)
+        try:
+            plain = await client.completions.create(
+                model=engine.model_name,
+                prompt="hi",
+                max_tokens=40,
+                extra_body={"response_format": json_schema_format(SCHEMA)},
+            )
+            stream = await client.completions.create(
+                model=engine.model_name,
+                prompt="hi",
+                max_tokens=40,
+                stream=True,
+                extra_body={"structured_outputs": {"choice": ["left", "right"]}},
+            )
+            return plain, "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+        finally:
+            await engine.stop()
+
+    plain, streamed = with_client(app, use)
+    jsonschema.validate(json.loads(plain.choices[0].text), SCHEMA)
+    assert streamed in {"left", "right"}
 
 
 @pytest.mark.parametrize(
