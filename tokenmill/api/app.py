@@ -75,15 +75,16 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
                 started.append(engine)
         yield
     finally:
-        for engine in started:
-            stop = getattr(engine, "stop", None)
-            if stop is not None:
-                await stop()
+        await _stop(started)
 
 
 async def stop_engines(app: FastAPI) -> None:
     """Stop every engine (the drain's last resort: in-flight requests end)."""
-    for engine in app.state.engines.values():
+    await _stop(app.state.engines.values())
+
+
+async def _stop(engines: Iterable[Engine]) -> None:
+    for engine in engines:
         stop = getattr(engine, "stop", None)
         if stop is not None:
             await stop()

@@ -100,7 +100,8 @@ def prepare_prompts(request: CompletionRequest, engine: Engine, max_tokens: int)
     if request.suffix:
         prompts = [_infill_prompt(item, request.suffix, tokenizer) for item in items]
     else:
-        prompts = [_prompt(item, tokenizer, request.truncate_prompt_tokens) for item in items]
+        with_text = bool(request.echo) or request.logprobs is not None  # echo returns it; text_offset counts it
+        prompts = [_prompt(item, tokenizer, with_text, request.truncate_prompt_tokens) for item in items]
     for prompt in prompts:
         if len(prompt.token_ids) + max_tokens > engine.max_model_len:
             raise context_length_exceeded(engine.max_model_len, len(prompt.token_ids), max_tokens)
@@ -123,25 +124,25 @@ def _check_in_vocabulary(ids: Sequence[int], vocab_size: int, param: str) -> Non
         raise invalid_request(f"'{param}' token id {bad} is outside the vocabulary [0, {vocab_size})", param)
 
 
-def _prompt(item: str | list[int], tokenizer: Tokenizer, keep_last: int | None = None) -> Prompt:
+def _prompt(item: str | list[int], tokenizer: Tokenizer, with_text: bool, keep_last: int | None = None) -> Prompt:
     """A text prompt gets BOS as the tokenizer adds it. A token-id prompt is read as sent, but for a model that
     starts every text with BOS, one is put before ids that do not start with it, unseen by the client (echo and its
     logprobs are the tokens sent): evaluation harnesses send ids without it (lm-evaluation-harness's remote tokenizer
     asks for no special tokens), and the model scores text it was never trained to see without it.
 
-    `keep_last` (truncate_prompt_tokens): only the last tokens the model would read are kept; echo then returns their
-    text."""
+    `with_text`: a token-id (or truncated) prompt's text is decoded, for echo and text_offset. `keep_last`
+    (truncate_prompt_tokens): only the last tokens the model would read are kept; echo then returns their text."""
     if isinstance(item, str):
         ids, text, hidden = tokenizer.encode(item) or _document_start(tokenizer), item, 0
     else:
         _check_in_vocabulary(item, tokenizer.vocab_size, "prompt")
         bos = tokenizer.bos_id
         added = [bos] if bos is not None and item[0] != bos and adds_bos(tokenizer) else []
-        ids, text, hidden = added + list(item), tokenizer.decode(item), len(added)
+        ids, text, hidden = added + list(item), tokenizer.decode(item) if with_text else "", len(added)
     if keep_last is not None and len(ids) > keep_last:
         cut = len(ids) - keep_last
         ids, hidden = ids[cut:], max(hidden - cut, 0)
-        text = tokenizer.decode(ids)
+        text = tokenizer.decode(ids) if with_text else ""
     return Prompt(ids, text, hidden=hidden)
 
 

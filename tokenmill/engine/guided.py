@@ -35,15 +35,16 @@ class Guide:
     source: str  # the JSON Schema as JSON text, the regex, or the Lark / GBNF grammar
 
     def grammar(self) -> str:
-        """llguidance's grammar description of this constraint."""
-        if self.kind == "json":
-            return str(LLMatcher.grammar_from_json_schema(self.source, defaults=JSON_DEFAULTS))
-        if self.kind == "regex":
-            return str(LLMatcher.grammar_from_regex(self.source))
+        """llguidance's grammar description of this constraint; GuideError when it cannot be made."""
         try:
+            if self.kind == "json":
+                return str(LLMatcher.grammar_from_json_schema(self.source, defaults=JSON_DEFAULTS))
+            if self.kind == "regex":
+                return str(LLMatcher.grammar_from_regex(self.source))
             return str(LLMatcher.grammar_from_lark(any_to_lark(self.source)))
-        except Exception as exc:  # noqa: BLE001 - the GBNF converter raises its own kinds
-            raise GuideError(f"the grammar is neither valid Lark nor GBNF: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - llguidance and its GBNF converter raise their own kinds
+            prefix = "the grammar is neither valid Lark nor GBNF: " if self.kind == "grammar" else ""
+            raise GuideError(f"{prefix}{exc}") from None
 
 
 def json_schema_guide(schema: Any) -> Guide:
@@ -71,13 +72,7 @@ def ll_tokenizer(tokenizer: Any) -> LLTokenizer:
 
 def check(guide: Guide, tokenizer: Any) -> None:
     """Raises GuideError with llguidance's reason when the constraint is unusable with this tokenizer."""
-    try:
-        grammar = guide.grammar()
-    except GuideError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - llguidance raises ValueError or RuntimeError by case
-        raise GuideError(str(exc)) from None
-    error = LLMatcher.validate_grammar(grammar, ll_tokenizer(tokenizer))
+    error = LLMatcher.validate_grammar(guide.grammar(), ll_tokenizer(tokenizer))
     if error:
         raise GuideError(error.strip().splitlines()[0])
 

@@ -2,8 +2,8 @@
 
 One straight pipeline: allowed_token_ids → logit_bias → banned tokens (bad_words, min_tokens) → repetition penalty →
 presence/frequency penalties → temperature → min_p → top_k → top_p → sample. Greedy rows take the argmax of the
-logits after the penalties (the filters after temperature cannot change it). Each sequence samples with its own torch.Generator, so its choice never depends
-on which other requests share the batch. Reported logprobs are the model's own (log-softmax of the raw logits), so they
+logits after the penalties (the filters after temperature cannot change it). Each sequence samples with its own
+torch.Generator, so its choice never depends on which other requests share the batch. Reported logprobs are the model's own (log-softmax of the raw logits), so they
 mean the same whatever the sampling settings.
 
 The greedy argmax is tokenmill.kernels' C pass (torch's argmax where it did not compile): the kernels are a leaf

@@ -57,8 +57,3 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-
-    @property
-    def filters(self) -> bool:
-        """Whether sampling keeps only part of the distribution (top_k, min_p, top_p)."""
-        return self.top_k > 0 or self.min_p > 0.0 or self.top_p < 1.0

@@ -31,10 +31,8 @@ def prepared_state_dict(
     stacked = type(skeleton).STACKED_PROJECTIONS
     out: dict[str, torch.Tensor] = {}
     consumed: set[str] = set()
-    if (
-        getattr(skeleton, HEAD, None) is None
-    ):  # tied: the head is made from the embedding table, as prepare_linears does
-        # first, while nothing else is held: the largest matrix, with its file pages in memory while it is quantised
+    tied = getattr(skeleton, HEAD, None) is None  # the head is made from the embedding table, as prepare_linears does
+    if tied:  # first, while nothing else is held: the largest matrix, its file pages in memory while it is quantised
         head = _quantise_into(out, HEAD, [EMBEDDING], checkpoint, dtype, quantization)
         if isinstance(head, Int8Linear | TiledInt8Linear):  # an int8 head serves the lookups: the table goes
             consumed.add(EMBEDDING)

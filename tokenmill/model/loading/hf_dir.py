@@ -227,7 +227,6 @@ class Checkpoint:
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"{path} has no *.safetensors weights")
-        self._maps: list[mmap.mmap] = []
         self._entries: dict[str, tuple[mmap.mmap, torch.dtype, list[int], int]] = {}
         for file in files:
             with file.open("rb") as f:
@@ -246,8 +245,6 @@ class Checkpoint:
                 assert mapped is not None
                 begin = 8 + header_len + info["data_offsets"][0]
                 self._entries[name] = (mapped, SAFETENSORS_DTYPES[info["dtype"]], info["shape"], begin)
-            if mapped is not None:
-                self._maps.append(mapped)
 
     def names(self) -> list[str]:
         return list(self._entries)
