@@ -85,6 +85,8 @@ def other_value(f: dataclasses.Field[Any]) -> Any:
 
 
 def as_flags(name: str, value: Any) -> list[str]:
+    if isinstance(value, bool):  # a switch: --x / --no-x
+        return [flag(name) if value else "--no-" + name.replace("_", "-")]
     if isinstance(value, tuple):
         return [arg for item in value for arg in (flag(name), str(item))]
     return [flag(name), str(value)]

@@ -18,6 +18,7 @@ from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 DEFAULT_MODEL_NAME = "gemma-3-270m"
 DTYPES = ("float32", "bfloat16")
 QUANTIZATIONS = ("none", "gguf", "int8", "int4")
+LOG_FORMATS = ("text", "json")
 ENV_HELP = (
     "Every flag can also be set as TOKENMILL_<FLAG> (e.g. TOKENMILL_MAX_NUM_SEQS=8); a flag wins over the variable."
 )
@@ -84,6 +85,25 @@ class Config:
     max_prompt_tokens_per_request: int = _opt(1 << 20, "most prompt tokens in one request, all prompts together")
     request_timeout_s: float = _opt(0.0, "end a completion still running after this many seconds (0: never)")
     shutdown_grace_s: float = _opt(30.0, "on SIGTERM, how long in-flight requests may take to finish")
+    rate_limit_requests: str | None = _opt(
+        None, "requests allowed per API key, and per `user` within a key, e.g. 600/min (also N/s, N/h); none: no limit"
+    )
+    rate_limit_tokens: str | None = _opt(
+        None,
+        "tokens (prompt + max_tokens x choices) allowed per API key and per `user`, e.g. 100000/min; none: no limit",
+    )
+    content_filter: str | None = _opt(
+        None,
+        "file of blocked text, one literal or re:-prefixed regex a line: such prompts get 400, outputs stop before it",
+    )
+    # --- observability ---
+    metrics_public: bool = _opt(
+        False, "serve GET /metrics without the API key (every other route but /health needs it)"
+    )
+    log_format: str = _opt(
+        "text", "access log and server log lines as text, or one JSON object a line", choices=LOG_FORMATS
+    )
+    log_prompts: bool = _opt(False, "put prompts and outputs in the access log (never by default)")
 
     def __post_init__(self) -> None:
         for name in ("model", "served_model_name"):  # Config(model="m.gguf") from Python means one model
@@ -91,6 +111,8 @@ class Config:
                 object.__setattr__(self, name, (getattr(self, name),))
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.log_format not in LOG_FORMATS:
+            raise ConfigError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.weight_quantization != "none" and self.dtype != "bfloat16":
