@@ -38,16 +38,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "complete":
             return asyncio.run(complete_once(config, args.prompt, args.max_tokens, args.temperature))
         return show_model(config)
-    except _model_load_error() as exc:  # a model this server cannot load: one line that says why, not a traceback
+    except _start_errors() as exc:  # a model or file this server cannot use: one line that says why, not a traceback
         print(f"tokenmill {args.command}: error: {exc}", file=sys.stderr)
         return 2
 
 
-def _model_load_error() -> type[Exception]:
+def _start_errors() -> tuple[type[Exception], ...]:
     """Imported only when an exception is on its way out (the engine, and torch with it, load lazily)."""
     from tokenmill.engine.build import ModelLoadError
+    from tokenmill.engine.content_filter import ContentFilterError
 
-    return ModelLoadError
+    return ModelLoadError, ContentFilterError
 
 
 def config_command(commands: Any, name: str, help: str) -> argparse.ArgumentParser:
@@ -70,8 +71,11 @@ def serve_forever(config: Config) -> int:
     from tokenmill.api.app import create_app
     from tokenmill.api.serve import serve
     from tokenmill.engine.build import ModelLoadError
+    from tokenmill.engine.content_filter import ContentFilter
     from tokenmill.engine.engine import AsyncEngine
 
+    if config.content_filter:  # a bad filter file fails the start before the models load
+        ContentFilter.from_file(config.content_filter)
     engines = [AsyncEngine.from_config(one) for one in config.per_model()]
     names = [engine.model_name for engine in engines]
     if len(set(names)) < len(names):

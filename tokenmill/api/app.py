@@ -31,6 +31,7 @@ from tokenmill.api.limits import RequestLimits
 from tokenmill.api.protocol import CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_request
 from tokenmill.api.sse import SSEResponse
 from tokenmill.config import Config
+from tokenmill.engine.content_filter import ContentFilter
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ def create_app(engines: Engine | Sequence[Engine], config: Config) -> FastAPI:
     app.state.created = int(time.time())
     app.state.admission = Admission.from_config(config)
     app.state.limits = RequestLimits.from_config(config)
+    app.state.content_filter = ContentFilter.from_file(config.content_filter) if config.content_filter else None
     app.include_router(router)
     # Starlette types every handler as taking any Exception; it calls each only with the class it is registered for
     app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
@@ -117,7 +119,7 @@ async def create_completion(request: Request) -> Response:
     body = parse_request(CompletionRequest, await request.body())
     engine = _engine(request, body.model)
     admission.check_open(engine.is_healthy())
-    completion = Completion(body, engine, request.app.state.limits)
+    completion = Completion(body, engine, request.app.state.limits, request.app.state.content_filter)
     ticket = admission.admit([len(p.token_ids) for p in completion.prompts])
     completion.on_started = ticket.started
     if body.user is not None:

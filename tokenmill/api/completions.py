@@ -32,6 +32,7 @@ from tokenmill.api.limits import RequestLimits
 from tokenmill.api.logprobs import LogprobsBuilder, empty_logprobs, extend_logprobs, finite, vllm_prompt_logprobs
 from tokenmill.api.protocol import CompletionMeta, CompletionRequest
 from tokenmill.engine import guided
+from tokenmill.engine.content_filter import ContentFilter
 from tokenmill.engine.guided import GuideError
 from tokenmill.engine.outputs import FinishReason, RequestOutput, SequenceDelta, TokenLogprob
 from tokenmill.engine.sampling import SamplingParams
@@ -173,7 +174,7 @@ def _document_start(tokenizer: Tokenizer) -> list[int]:
 
 
 # --- one choice's progress ------------------------------------------------------------------------------------------
-_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
+_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CONTENT_FILTER: "content_filter"}
 
 
 @dataclass
@@ -250,11 +251,19 @@ class Choice:
 
 # --- one request ----------------------------------------------------------------------------------------------------
 class Completion:
-    def __init__(self, request: CompletionRequest, engine: Engine, limits: RequestLimits | None = None) -> None:
+    def __init__(
+        self,
+        request: CompletionRequest,
+        engine: Engine,
+        limits: RequestLimits | None = None,
+        content_filter: ContentFilter | None = None,
+    ) -> None:
         self.request = request
         self.engine = engine
         self.limits = limits or RequestLimits()
         self.params = request.to_sampling_params()
+        if content_filter is not None:
+            self.params = dataclasses.replace(self.params, content_filter=content_filter)
         if request.suffix and engine.tokenizer.supports_fim:  # a filled-in middle ends at the model's end tokens
             ends = self.params.stop_token_ids + engine.tokenizer.fim_end_ids
             self.params = dataclasses.replace(self.params, stop_token_ids=ends)
@@ -269,6 +278,8 @@ class Completion:
                 raise invalid_request(f"'{param}' cannot be used: {exc}", param) from None
         self.limits.check_counts(len(_prompt_items(request.prompt)), self.params.n)
         self.prompts = prepare_prompts(request, engine, self.params.max_tokens)
+        if content_filter is not None:
+            check_content(request, self.prompts, engine.tokenizer, content_filter)
         self.limits.check_prompt_tokens([len(p.token_ids) for p in self.prompts])
         self.on_started: Callable[[int], None] = _ignore  # told when a prompt's first engine output arrives
         self.meta = CompletionMeta(
@@ -357,14 +368,35 @@ class Completion:
 
     def _outputs(self) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         generators = [
-            self.engine.generate(f"{self.meta.id}-{i}", prompt.token_ids, self.params)
+            self.engine.generate(f"{self.meta.id}-{i}", prompt.token_ids, self._params_for(prompt))
             for i, prompt in enumerate(self.prompts)
         ]
         return merge(generators, self.limits.timeout_s)
 
+    def _params_for(self, prompt: Prompt) -> SamplingParams:
+        """With echo a choice's text starts with its prompt: the content filter reads the output after it."""
+        if self.params.content_filter is None or not self.request.echo:
+            return self.params
+        return dataclasses.replace(self.params, content_filter_context=prompt.text)
+
 
 def _ignore(prompt_index: int) -> None:
     pass
+
+
+def check_content(
+    request: CompletionRequest, prompts: list[Prompt], tokenizer: Tokenizer, content_filter: ContentFilter
+) -> None:
+    """A prompt (as text, token-id prompts decoded) or suffix that the server's content filter matches: a 400."""
+    for prompt in prompts:
+        text = prompt.text or tokenizer.decode(prompt.token_ids[prompt.hidden :])
+        if content_filter.matches(text):
+            raise invalid_request(_FILTERED.format("prompt"), "prompt", "content_filter")
+    if request.suffix and content_filter.matches(request.suffix):
+        raise invalid_request(_FILTERED.format("suffix"), "suffix", "content_filter")
+
+
+_FILTERED = "The {} contains text that this server's content filter does not allow."
 
 
 def _check_something_is_allowed(params: SamplingParams, tokenizer: Tokenizer) -> None:

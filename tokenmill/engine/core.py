@@ -201,18 +201,18 @@ class EngineCore:
             seq.stop_reason = token if token in p.stop_token_ids else None  # vLLM's: EOS is no stop_reason
             self._finish(seq, FinishReason.STOP)
             return
-        seq.pending_text += seq.stop.feed(seq.detok.add(token), check=not seq.below_min_tokens)
-        if seq.stop.matched is not None or (seq.guided is not None and seq.guided.done):
+        seq.add_text(seq.detok.add(token))
+        if seq.stop.matched is not None or seq.filtered or (seq.guided is not None and seq.guided.done):
             self._finish(seq, FinishReason.STOP)
         elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
             self._finish(seq, FinishReason.LENGTH)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        if seq.stop.matched is None:
-            seq.pending_text += seq.stop.feed(seq.detok.flush(), check=not seq.below_min_tokens)
-            seq.pending_text += seq.stop.flush()
+        seq.end_text()
         if seq.stop.matched is not None:
             reason, seq.stop_reason = FinishReason.STOP, seq.stop.matched
+        if seq.filtered:  # the filter's cut came first in the text, or the stop string's text held a match
+            reason, seq.stop_reason = FinishReason.CONTENT_FILTER, None
         self.scheduler.finish(seq)
         seq.finish(reason)
 

@@ -9,6 +9,7 @@ from enum import Enum
 class FinishReason(str, Enum):
     STOP = "stop"  # EOS or a stop string
     LENGTH = "length"  # max_tokens (or the context) reached
+    CONTENT_FILTER = "content_filter"  # the server's content filter matched the output; it ends before the match
     ABORT = "abort"  # cancelled: client gone, timeout, engine fault
 
 

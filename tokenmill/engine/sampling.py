@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from tokenmill.engine.content_filter import ContentFilter
     from tokenmill.engine.guided import Guide
 
 
@@ -42,6 +43,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # a matched stop string stays in the text
     skip_special_tokens: bool = True  # special tokens (BOS, EOS, ...) are left out of the text
     guide: Guide | None = None  # structured outputs: the grammar the text must follow (engine/guided.py)
+    content_filter: ContentFilter | None = None  # text the output must not show (engine/content_filter.py)
+    content_filter_context: str = ""  # text before the output in the choice (an echoed prompt): a match may begin in it
     # Top-k alternatives to report for each generated token; None: no logprobs wanted (the chosen token's logprob is
     # still tracked, it ranks best_of candidates).
     logprobs: int | None = None

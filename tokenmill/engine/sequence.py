@@ -46,6 +46,8 @@ class Sequence:
         self.generator = generator
         self.detok = detok
         self.stop = StopChecker(params.stop, params.include_stop_str_in_output)
+        cf = params.content_filter
+        self.filter = cf.checker(params.content_filter_context) if cf is not None else None
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.guided = guided  # its place in a structured-output grammar
@@ -59,6 +61,11 @@ class Sequence:
         self.pending_text = ""
         self.pending_ids: list[int] = []
         self.pending_logprobs: list[TokenLogprob] = []
+        # With a content filter, a token is reported only once all of its text has been shown, so token ids and
+        # logprobs never reveal text the filter held back: (token id, logprob entry, output length after its text).
+        self.held_tokens: list[tuple[int, TokenLogprob | None, int]] = []
+        self.text_len = 0  # characters of output text produced (detokenised), shown or not
+        self.shown_len = 0  # characters of output text released to pending_text
         self.forked = False  # children created from this prefilled prompt (n > 1)
 
     @property
@@ -88,6 +95,53 @@ class Sequence:
         self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1
         if self.params.repetition_penalty != 1.0:
             self.seen_ids.add(token_id)
+        if self.filter is not None:
+            self.held_tokens.append((token_id, entry, -1))  # its text comes with the next add_text
+        else:
+            self._report_token(token_id, entry)
+
+    def add_text(self, text: str) -> None:
+        """The newest token's text through the stop strings and the content filter into what the client sees."""
+        self.text_len += len(text)
+        if self.held_tokens and self.held_tokens[-1][2] < 0:
+            token_id, entry, _ = self.held_tokens[-1]
+            self.held_tokens[-1] = (token_id, entry, self.text_len)
+        self._show(self.stop.feed(text, check=not self.below_min_tokens))
+
+    def end_text(self) -> None:
+        """The sequence ends: release what the detokeniser, the stop strings and the filter still hold (unless a
+        stop string or a filter match cut it), and the tokens whose text was shown (all, unless the filter cut)."""
+        if self.stop.matched is None:
+            self.add_text(self.detok.flush())
+            self._show(self.stop.flush())
+        if self.filter is not None:
+            self._show_filtered(self.filter.flush())
+            cut = self.filter.matched
+            for token_id, entry, end in self.held_tokens:
+                if not cut or end <= self.shown_len:
+                    self._report_token(token_id, entry)
+            self.held_tokens = []
+
+    @property
+    def filtered(self) -> bool:
+        """The content filter found a match in this output: it ends before it."""
+        return self.filter is not None and self.filter.matched
+
+    def _show(self, text: str) -> None:
+        if self.filter is None:
+            self.pending_text += text
+            self.shown_len += len(text)
+        else:
+            self._show_filtered(self.filter.feed(text))
+
+    def _show_filtered(self, text: str) -> None:
+        self.pending_text += text
+        self.shown_len += len(text)
+        while self.held_tokens and 0 <= self.held_tokens[0][2] <= self.shown_len:
+            token_id, entry, _ = self.held_tokens.pop(0)
+            self._report_token(token_id, entry)
+
+    def _report_token(self, token_id: int, entry: TokenLogprob | None) -> None:
         self.pending_ids.append(token_id)
         if entry is not None:
             self.pending_logprobs.append(entry)
