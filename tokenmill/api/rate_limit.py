@@ -5,7 +5,8 @@ continuously: after a burst empties it, capacity comes back a little at a time, 
 minute. A request needs room in every bucket that applies to it and is charged to all of them only when it fits in
 all, so a 429 costs nothing. Its tokens are its prompt tokens plus max_tokens for every sequence it may generate,
 charged up front; what the sequences did not generate is refunded when it ends, so a finished request has cost its
-usage's total_tokens whether it streamed or not.
+usage's total_tokens whether it streamed or not. A request larger than a limit itself gets a 429 that says so and
+has no Retry-After, since no wait lets it through.
 
 Keys and user names are held only as hashes. A bucket that is full again is the same as no bucket, so full ones are
 dropped and memory follows the users active within one period. Everything runs on the event loop: no locks.
@@ -32,7 +33,8 @@ Clock = Callable[[], float]
 
 
 def hashed(text: str) -> str:
-    """What a key or a user name is known by here (and in /metrics): never the text itself."""
+    """What a key or a user name is known by here (and in /metrics): never the text itself. Unsalted, so it stays the
+    same across restarts; a pseudonym, not a secret, for a guessable user name."""
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
