@@ -14,11 +14,14 @@ import pytest
 
 from tokenmill.cli import main
 from tokenmill.config import (
+    RATE_LIMITS,
     Config,
     ConfigError,
+    Rate,
     add_config_arguments,
     add_settings_arguments,
     config_from_args,
+    parse_rate,
     settings_from_args,
 )
 
@@ -31,6 +34,7 @@ COMPANIONS: dict[str, dict[str, Any]] = {
     "served_model_name": {"model": TWO_MODELS},
     "kv_cache_weights": {"model": TWO_MODELS},
 }
+VALUES: dict[str, Any] = {name: "90/min" for name in RATE_LIMITS}  # str fields whose text Config checks
 
 
 @pytest.fixture(autouse=True)
@@ -69,6 +73,8 @@ def other_value(f: dataclasses.Field[Any]) -> Any:
     """A valid value of the field's type that differs from its default."""
     kind, default = scalar_type(HINTS[f.name]), f.default
     assert default is not dataclasses.MISSING, f"{f.name} needs a default to be left out"
+    if f.name in VALUES:
+        return VALUES[f.name]
     if "choices" in f.metadata:
         return next(c for c in f.metadata["choices"] if c != default)
     if kind is bool:
@@ -292,3 +298,28 @@ def test_names_and_weights_must_match_the_models(changes: dict[str, Any]) -> Non
 def test_a_config_of_several_models_has_no_single_path() -> None:
     with pytest.raises(ConfigError, match="per_model"):
         _ = Config(model=("a.gguf", "b.gguf")).model_path
+
+
+# --- rate limits --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("text", "rate", "period_s"),
+    [("600/min", Rate(600, "min"), 60.0), ("5/s", Rate(5, "s"), 1.0), (" 1/h ", Rate(1, "h"), 3600.0)],
+)
+def test_a_rate_is_n_per_second_minute_or_hour(text: str, rate: Rate, period_s: float) -> None:
+    assert parse_rate(text) == rate and rate.period_s == period_s
+
+
+@pytest.mark.parametrize(
+    "text", ["600", "600/m", "600/minute", "600/MIN", "0/min", "-5/s", "1.5/s", "1e3/h", "/min", "²/s", "5/s/s", ""]
+)
+@pytest.mark.parametrize("name", RATE_LIMITS)
+def test_config_refuses_any_other_rate_naming_the_setting(text: str, name: str) -> None:
+    with pytest.raises(ConfigError, match=f"{name} must be N/s, N/min or N/h"):
+        Config(**{name: text})
+
+
+def test_the_cli_reports_a_bad_rate_limit_as_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--rate-limit-tokens", "1000/m"])
+    assert exited.value.code == 2
+    assert "rate_limit_tokens must be N/s, N/min or N/h" in capsys.readouterr().err

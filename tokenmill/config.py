@@ -19,6 +19,8 @@ DEFAULT_MODEL_NAME = "gemma-3-270m"
 DTYPES = ("float32", "bfloat16")
 QUANTIZATIONS = ("none", "gguf", "int8", "int4")
 LOG_FORMATS = ("text", "json")
+RATE_PERIODS_S = {"s": 1.0, "min": 60.0, "h": 3600.0}  # the units a rate limit may be given in: N/s, N/min, N/h
+RATE_LIMITS = ("rate_limit_requests", "rate_limit_tokens", "rate_limit_user_requests", "rate_limit_user_tokens")
 ENV_HELP = (
     "Every flag can also be set as TOKENMILL_<FLAG> (e.g. TOKENMILL_MAX_NUM_SEQS=8); a flag wins over the variable."
 )
@@ -86,11 +88,18 @@ class Config:
     request_timeout_s: float = _opt(0.0, "end a completion still running after this many seconds (0: never)")
     shutdown_grace_s: float = _opt(30.0, "on SIGTERM, how long in-flight requests may take to finish")
     rate_limit_requests: str | None = _opt(
-        None, "requests allowed per API key, and per `user` within a key, e.g. 600/min (also N/s, N/h); none: no limit"
+        None, "requests allowed per API key, e.g. 600/min (also N/s, N/h); none: no limit"
     )
     rate_limit_tokens: str | None = _opt(
         None,
-        "tokens (prompt + max_tokens x choices) allowed per API key and per `user`, e.g. 100000/min; none: no limit",
+        "tokens (prompt + max_tokens x choices, the unused part refunded) allowed per API key, e.g. 100000/min;"
+        " none: no limit",
+    )
+    rate_limit_user_requests: str | None = _opt(
+        None, "requests allowed per `user` within an API key, e.g. 60/min; none: a user may use all of the key's"
+    )
+    rate_limit_user_tokens: str | None = _opt(
+        None, "tokens allowed per `user` within an API key, e.g. 10000/min; none: a user may use all of the key's"
     )
     content_filter: str | None = _opt(
         None,
@@ -123,6 +132,10 @@ class Config:
             raise ConfigError("max_waiting_requests, max_waiting_tokens and max_request_bytes must be positive")
         if self.request_timeout_s < 0 or self.shutdown_grace_s < 0:
             raise ConfigError("request_timeout_s and shutdown_grace_s must not be negative")
+        for name in RATE_LIMITS:
+            text = getattr(self, name)
+            if text is not None:
+                parse_rate(text, name)
         count = max(len(self.model), 1)
         if len(self.served_model_name) > count:
             raise ConfigError(f"{len(self.served_model_name)} served model names for {count} model(s)")
@@ -165,6 +178,29 @@ class Config:
 
     def with_overrides(self, **changes: Any) -> Config:
         return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Rate:
+    """A rate limit: `count` per `unit` (a key of RATE_PERIODS_S)."""
+
+    count: int
+    unit: str
+
+    @property
+    def period_s(self) -> float:
+        return RATE_PERIODS_S[self.unit]
+
+    def __str__(self) -> str:
+        return f"{self.count}/{self.unit}"
+
+
+def parse_rate(text: str, name: str = "rate") -> Rate:
+    """`N/s`, `N/min` or `N/h` with N a positive whole number; anything else is a ConfigError naming `name`."""
+    count, slash, unit = text.strip().partition("/")
+    if not (slash and unit in RATE_PERIODS_S and count.isascii() and count.isdigit() and int(count) > 0):
+        raise ConfigError(f"{name} must be N/s, N/min or N/h with N a positive whole number, got {text!r}")
+    return Rate(int(count), unit)
 
 
 def _name_and_path(entry: str) -> tuple[str | None, str]:

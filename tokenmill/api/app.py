@@ -29,6 +29,7 @@ from tokenmill.api.errors import APIError
 from tokenmill.api.guard import RequestGuard
 from tokenmill.api.limits import RequestLimits
 from tokenmill.api.protocol import CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_request
+from tokenmill.api.rate_limit import ANONYMOUS, Quota, RateLimiter, UserUsage, hashed
 from tokenmill.api.sse import SSEResponse
 from tokenmill.config import Config
 from tokenmill.engine.content_filter import ContentFilter
@@ -53,6 +54,8 @@ def create_app(engines: Engine | Sequence[Engine], config: Config) -> FastAPI:
     app.state.admission = Admission.from_config(config)
     app.state.limits = RequestLimits.from_config(config)
     app.state.content_filter = ContentFilter.from_file(config.content_filter) if config.content_filter else None
+    app.state.rate_limiter = RateLimiter.from_config(config)  # None: no limits; tests swap in one on a fake clock
+    app.state.user_usage = UserUsage()
     app.include_router(router)
     # Starlette types every handler as taking any Exception; it calls each only with the class it is registered for
     app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
@@ -113,23 +116,57 @@ def _admission(request: Request) -> Admission:
     return admission
 
 
+def _user_usage(request: Request) -> UserUsage:
+    usage: UserUsage = request.app.state.user_usage
+    return usage
+
+
 @router.post("/v1/completions", openapi_extra=protocol.openapi_body(CompletionRequest))
 async def create_completion(request: Request) -> Response:
+    """With rate limits on, every answer carries their x-ratelimit-* headers, errors included (a stream's go out with
+    its start)."""
+    quota = Quota(request.app.state.rate_limiter, getattr(request.state, "api_key_hash", ANONYMOUS))
+    try:
+        response = await _complete(request, quota)
+    except APIError as exc:
+        exc.headers = {**quota.headers(), **(exc.headers or {})}
+        raise
+    response.headers.update(quota.headers())
+    return response
+
+
+async def _complete(request: Request, quota: Quota) -> Response:
+    """Parse → rate limits → admission: a request over its limits never takes a place in the waiting queue."""
     admission = _admission(request)
     body = parse_request(CompletionRequest, await request.body())
+    quota.user = body.user
     engine = _engine(request, body.model)
     admission.check_open(engine.is_healthy())
+    quota.check()  # out of requests: refused before its prompts are tokenised
     completion = Completion(body, engine, request.app.state.limits, request.app.state.content_filter)
-    ticket = admission.admit([len(p.token_ids) for p in completion.prompts])
+    quota.acquire(completion.token_budget)
+    try:
+        ticket = admission.admit([len(p.token_ids) for p in completion.prompts])
+    except APIError:
+        quota.cancel()  # refused for the server's load, not for anything the client did: it costs nothing
+        raise
     completion.on_started = ticket.started
     if body.user is not None:
         logger.info("completion %s for user %r", completion.meta.id, body.user)
+
+    def close() -> None:
+        ticket.close()
+        used = completion.usage()["total_tokens"]
+        quota.finish(used)
+        if body.user is not None:
+            _user_usage(request).record(body.user, used)
+
     if body.stream:
-        return SSEResponse(completion.frames(), on_close=ticket.close)
+        return SSEResponse(completion.frames(), on_close=close)
     try:
         result = await _cancel_on_disconnect(request, completion.response())
     finally:
-        ticket.close()
+        close()
     if result is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     return JSONResponse(result)
@@ -252,23 +289,28 @@ async def _disconnected(request: Request) -> None:
 
 # --- auth -----------------------------------------------------------------------------------------------------------
 class BearerAuth:
-    """Every path but PUBLIC_PATHS needs `Authorization: Bearer <one of keys>`; compared in constant time."""
+    """Every path but PUBLIC_PATHS needs `Authorization: Bearer <one of keys>`; compared in constant time. The routes
+    learn which key matched as `request.state.api_key_hash`, never the key itself."""
 
     def __init__(self, app: ASGIApp, keys: Iterable[str]) -> None:
         self.app = app
+        keys = list(keys)
         self.keys = [key.encode() for key in keys]
+        self.hashes = [hashed(key) for key in keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
             await self.app(scope, receive, send)
             return
-        error = self._check(Headers(scope=scope).get("authorization"))
-        if error is None:
-            await self.app(scope, receive, send)
+        matched = self._check(Headers(scope=scope).get("authorization"))
+        if isinstance(matched, APIError):
+            await _error_response(matched)(scope, receive, send)
             return
-        await _error_response(error)(scope, receive, send)
+        scope.setdefault("state", {})["api_key_hash"] = self.hashes[matched]
+        await self.app(scope, receive, send)
 
-    def _check(self, header: str | None) -> APIError | None:
+    def _check(self, header: str | None) -> int | APIError:
+        """The index of the key given, or the 401."""
         scheme, _, token = (header or "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             return errors.authentication(
@@ -278,7 +320,7 @@ class BearerAuth:
         given = token.strip().encode()
         matches = [hmac.compare_digest(given, key) for key in self.keys]  # every key, so timing reveals nothing
         if any(matches):
-            return None
+            return matches.index(True)
         return errors.authentication("Incorrect API key provided.")
 
 

@@ -295,6 +295,12 @@ class Completion:
             for j in range(width)
         ]
 
+    @property
+    def token_budget(self) -> int:
+        """The most tokens this request can use: its prompts and max_tokens for every sequence (what a token rate
+        limit charges up front; usage's total_tokens is what it used)."""
+        return sum(len(p.token_ids) for p in self.prompts) + self.params.max_tokens * len(self.choices)
+
     def _builder(self, prompt: Prompt) -> LogprobsBuilder | None:
         """Without echo, OpenAI's text_offset counts from the prompt's start: the first token's is the prompt's length."""
         if self.request.logprobs is None:

@@ -84,9 +84,11 @@ def service_unavailable(message: str, retry_after_s: int | None = None) -> APIEr
     return APIError(503, message, SERVER_ERROR, None, "service_unavailable", headers)
 
 
-def rate_limited(message: str, limit: str, retry_after_s: int) -> APIError:
-    """429 as the hosted API words it: type names the exhausted limit ("requests" or "tokens")."""
-    return APIError(429, message, limit, None, "rate_limit_exceeded", {"Retry-After": str(retry_after_s)})
+def rate_limited(message: str, limit: str, retry_after_s: int | None) -> APIError:
+    """429 as the hosted API words it: type names the exhausted limit ("requests" or "tokens"). No retry_after_s:
+    waiting cannot help (the request is larger than the limit itself)."""
+    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
+    return APIError(429, message, limit, None, "rate_limit_exceeded", headers)
 
 
 def unsupported_media_type(content_type: str) -> APIError:
