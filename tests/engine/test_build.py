@@ -10,13 +10,12 @@ from tokenmill.kernels import ops
 BF16_ONLY = {"fused", "paged_attention", "gelu_mul", "int8_matmul", "gguf_matmul"}
 
 
-def test_the_description_gives_the_kv_capacity_in_tokens_and_the_context() -> None:
+def test_the_description_gives_the_kv_capacity_in_tokens() -> None:
     config = Config(dtype="float32", block_size=4, num_kv_blocks=32)
     core = tiny_core(block_size=4, num_kv_blocks=32)
     description = describe(core, config)
     assert description.kv_cache_tokens == 32 * 4 == core.blocks.num_blocks * core.blocks.block_size
     assert (description.dtype, description.quantization) == ("float32", "none")
-    assert description.max_model_len == core.max_model_len
 
 
 def test_float32_calls_no_bf16_kernel() -> None:

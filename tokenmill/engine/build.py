@@ -80,7 +80,6 @@ def describe(core: EngineCore, config: Config) -> EngineDescription:
         dtype=config.dtype,
         quantization=quantization,
         kv_cache_tokens=core.blocks.num_blocks * core.blocks.block_size,
-        max_model_len=core.max_model_len,
         kernels=kernels_in_use(config.dtype, quantization),
     )
 

@@ -66,5 +66,4 @@ class EngineDescription:
     dtype: str
     quantization: str  # the weights' quantisation as run (a Hugging Face directory's "gguf" runs as int8)
     kv_cache_tokens: int  # KV-cache blocks x block size: how many tokens all running sequences can hold together
-    max_model_len: int
     kernels: tuple[str, ...]  # the C kernels this model's path calls; empty: torch only
