@@ -1,7 +1,8 @@
 """create_app(engines, config): the routes, bearer auth and the handlers that turn every failure into OpenAI's error body.
 
-The engines (one per model served, keyed by model id: a request's `model` picks one) live on `app.state`, never in a
-module global, so tests build the app around a fake engine.
+The engines (one per model served, keyed by model id: a request's `model` picks one) and the metrics live on
+`app.state`, never in a module global, so tests build the app around a fake engine. Every request passes the access
+log (outermost), the API-key check, then the envelope guard.
 """
 
 from __future__ import annotations
@@ -23,11 +24,20 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenmill.api import errors, protocol
+from tokenmill.api.access_log import (
+    CLIENT_CLOSED_REQUEST,
+    REQUEST_ID_HEADER,
+    AccessLog,
+    note_completion,
+    note_error,
+    request_id,
+)
 from tokenmill.api.admission import RETRY_AFTER_S, Admission
 from tokenmill.api.completions import Completion, Engine, adds_bos
 from tokenmill.api.errors import APIError
 from tokenmill.api.guard import RequestGuard
 from tokenmill.api.limits import RequestLimits
+from tokenmill.api.metrics import Metrics
 from tokenmill.api.protocol import CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_request
 from tokenmill.api.sse import SSEResponse
 from tokenmill.config import Config
@@ -35,7 +45,7 @@ from tokenmill.config import Config
 logger = logging.getLogger(__name__)
 
 PUBLIC_PATHS = frozenset({"/health"})  # reachable without the API key (liveness probes)
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"; nobody reads it
+METRICS_PATH = "/metrics"  # public too with --metrics-public
 
 T = TypeVar("T")
 router = APIRouter()
@@ -51,6 +61,11 @@ def create_app(engines: Engine | Sequence[Engine], config: Config) -> FastAPI:
     app.state.created = int(time.time())
     app.state.admission = Admission.from_config(config)
     app.state.limits = RequestLimits.from_config(config)
+    app.state.metrics = Metrics(app.state.engines)
+    for name, engine in app.state.engines.items():
+        add_step_observer = getattr(engine, "add_step_observer", None)  # the real engine's; a fake may lack it
+        if add_step_observer is not None:
+            add_step_observer(app.state.metrics.step_observer(name))
     app.include_router(router)
     # Starlette types every handler as taking any Exception; it calls each only with the class it is registered for
     app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
@@ -59,7 +74,9 @@ def create_app(engines: Engine | Sequence[Engine], config: Config) -> FastAPI:
     app.add_exception_handler(Exception, _unexpected_error)
     app.add_middleware(RequestGuard, max_body_bytes=config.max_request_bytes)
     if config.api_key:
-        app.add_middleware(BearerAuth, keys=config.api_key)
+        public = PUBLIC_PATHS | {METRICS_PATH} if config.metrics_public else PUBLIC_PATHS
+        app.add_middleware(BearerAuth, keys=config.api_key, public=public)
+    app.add_middleware(AccessLog, metrics=app.state.metrics, routes=router.routes)  # last added: the outermost
     return app
 
 
@@ -111,23 +128,36 @@ def _admission(request: Request) -> Admission:
     return admission
 
 
+def _metrics(request: Request) -> Metrics:
+    metrics: Metrics = request.app.state.metrics
+    return metrics
+
+
 @router.post("/v1/completions", openapi_extra=protocol.openapi_body(CompletionRequest))
 async def create_completion(request: Request) -> Response:
+    arrived = time.monotonic()
     admission = _admission(request)
     body = parse_request(CompletionRequest, await request.body())
     engine = _engine(request, body.model)
     admission.check_open(engine.is_healthy())
-    completion = Completion(body, engine, request.app.state.limits)
+    completion = Completion(body, engine, request.app.state.limits, arrived_at=arrived)
     ticket = admission.admit([len(p.token_ids) for p in completion.prompts])
+    completion.admitted_at = time.monotonic()
     completion.on_started = ticket.started
-    if body.user is not None:
-        logger.info("completion %s for user %r", completion.meta.id, body.user)
+
+    def finish() -> None:
+        """However it ended: free its admission, then tell the metrics and the access log what it did."""
+        ticket.close()
+        record = completion.record(with_text=request.app.state.config.log_prompts)
+        note_completion(request.scope, record)
+        _metrics(request).completion(record)
+
     if body.stream:
-        return SSEResponse(completion.frames(), on_close=ticket.close)
+        return SSEResponse(completion.frames(), on_close=finish)
     try:
         result = await _cancel_on_disconnect(request, completion.response())
     finally:
-        ticket.close()
+        finish()
     if result is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     return JSONResponse(result)
@@ -157,6 +187,13 @@ async def health(request: Request) -> dict[str, str]:
     if sick:
         raise errors.service_unavailable(f"The engine of {', '.join(sick)} is not healthy.", RETRY_AFTER_S)
     return {"status": "ok"}
+
+
+@router.get(METRICS_PATH, include_in_schema=False)
+async def metrics(request: Request) -> Response:
+    """Prometheus metrics (api/metrics.py): text format, or OpenMetrics when the scraper asks for it."""
+    body, content_type = _metrics(request).exposition(request.headers.get("accept"))
+    return Response(body, media_type=content_type)
 
 
 @router.get("/stats")
@@ -250,20 +287,22 @@ async def _disconnected(request: Request) -> None:
 
 # --- auth -----------------------------------------------------------------------------------------------------------
 class BearerAuth:
-    """Every path but PUBLIC_PATHS needs `Authorization: Bearer <one of keys>`; compared in constant time."""
+    """Every path but the public ones needs `Authorization: Bearer <one of keys>`; compared in constant time."""
 
-    def __init__(self, app: ASGIApp, keys: Iterable[str]) -> None:
+    def __init__(self, app: ASGIApp, keys: Iterable[str], public: frozenset[str] = PUBLIC_PATHS) -> None:
         self.app = app
         self.keys = [key.encode() for key in keys]
+        self.public = public
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+        if scope["type"] != "http" or scope["path"] in self.public:
             await self.app(scope, receive, send)
             return
         error = self._check(Headers(scope=scope).get("authorization"))
         if error is None:
             await self.app(scope, receive, send)
             return
+        note_error(scope, error)
         await _error_response(error)(scope, receive, send)
 
     def _check(self, header: str | None) -> APIError | None:
@@ -286,13 +325,14 @@ def _error_response(error: APIError) -> JSONResponse:
 
 
 async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    note_error(request.scope, exc)
     return _error_response(exc)
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     errs = list(exc.errors())
     body_error = bool(errs) and tuple(errs[0].get("loc", ()))[:1] == ("body",)
-    return _error_response(protocol.api_error_from_validation(errs, loc_prefix=1 if body_error else 0))
+    return await _api_error(request, protocol.api_error_from_validation(errs, loc_prefix=1 if body_error else 0))
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -304,9 +344,14 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
         error = errors.method_not_allowed(f"Method not allowed ({where})", allow)
     else:
         error = APIError(exc.status_code, str(exc.detail), headers=exc.headers)
-    return _error_response(error)
+    return await _api_error(request, error)
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
-    logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return _error_response(errors.server_error())
+    """Answered outside the access log's middleware (Starlette's outermost one calls it), so it adds the id itself."""
+    rid = request_id(request.scope)
+    logger.error("unhandled error on %s %s (request %s)", request.method, request.url.path, rid, exc_info=exc)
+    response = _error_response(errors.server_error())
+    if rid is not None:
+        response.headers[REQUEST_ID_HEADER] = rid
+    return response
