@@ -93,9 +93,11 @@ class Prompt:
 
     def saw(self, output: RequestOutput, now: float) -> None:
         """Note when an output arrived: the first one, and those that brought tokens or the end."""
-        self.started_at = self.started_at or now
+        if self.started_at is None:
+            self.started_at = now
         if any(delta.token_ids for delta in output.deltas):
-            self.first_token_at = self.first_token_at or now
+            if self.first_token_at is None:
+                self.first_token_at = now
             self.last_token_at = now
         if output.finished:
             self.finished_at = now
