@@ -6,7 +6,8 @@ Starts `tokenmill serve` (127.0.0.1, a free port, an API key) on a tiny random-w
 directory (tests/tiny_model.py, so run it from the repository root), sends a plain completion with a `user`, a streamed
 one of the same prompt (its full blocks come from the prefix cache) and a request for a path that does not exist,
 scrapes /metrics, stops the server with SIGTERM, then prints the server's log and the scrape's `tokenmill_` lines
-(`--out` also writes both whole). The model's text is noise; its timings are a tiny model's on this machine."""
+(`--out` also writes both whole). The model's text is noise; its timings are a tiny model's on this machine.
+"""
 
 from __future__ import annotations
 

@@ -66,7 +66,7 @@ def _other_value(field: dataclasses.Field[Any]) -> Any:
     if isinstance(default, tuple):
         return {"kv_cache_weights": (2.0,)}.get(field.name, ("some-key",))
     if isinstance(default, str):
-        return {"log_level": "debug", "host": "0.0.0.0"}.get(field.name, default + "-other")
+        return {"log_level": "debug", "host": "0.0.0.0", "log_format": "json"}.get(field.name, default + "-other")
     return 7 if field.name in ("max_model_len", "num_kv_blocks", "threads") else "/elsewhere/model.gguf"
 
 
