@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 from typing import Any
 
+from tokenmill.api.logs import configure_logging
 from tokenmill.bench.flags import add_bench_arguments
 from tokenmill.config import ENV_HELP, Config, ConfigError, add_config_arguments, config_from_args
 
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         commands.choices[args.command].error(str(exc))  # usage and exit 2, as argparse does for a bad flag
     if args.command == "complete" and len(config.model) > 1:
         commands.choices[args.command].error("complete takes one --model")
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config.log_level, config.log_format)
     try:
         if args.command == "serve":
             return serve_forever(config)

@@ -71,6 +71,24 @@ async def post(app: FastAPI, path: str, payload: Any, headers: dict[str, str] | 
         return await client.post(path, json=payload, headers=headers)
 
 
+async def get(app: FastAPI, path: str, headers: dict[str, str] | None = None) -> httpx.Response:
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        return await client.get(path, headers=headers)
+
+
+async def hold_then_probe(app: FastAPI, held: int, probe: dict[str, Any]) -> tuple[httpx.Response, list[Any]]:
+    """Send `held` requests a FakeEngine(hang_at_step=0) never answers, then one more; cancel the held ones."""
+    tasks = [asyncio.create_task(post(app, "/v1/completions", body(prompt="hold"))) for _ in range(held)]
+    while app.state.admission.waiting_requests < held:
+        await asyncio.sleep(0.001)
+    probe_response = await post(app, "/v1/completions", probe)
+    for task in tasks:
+        task.cancel()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    return probe_response, results
+
+
 def parse_sse(raw: str) -> list[Any]:
     """Each `data:` frame as parsed JSON, or the string "[DONE]"; asserts the framing is exact."""
     assert raw.endswith("\n\n"), raw[-50:]

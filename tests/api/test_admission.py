@@ -7,9 +7,8 @@ from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI
 
-from tests.api.api_helpers import body, post, run
+from tests.api.api_helpers import body, hold_then_probe, post, run
 from tests.api.fake_engine import FakeEngine
 from tokenmill.api.admission import Admission
 from tokenmill.api.app import create_app
@@ -51,22 +50,10 @@ def test_an_empty_queue_admits_a_request_larger_than_the_caps() -> None:
     assert admission.waiting_requests == 3
 
 
-async def _hold_then_probe(app: FastAPI, held: int, probe: dict[str, Any]) -> tuple[httpx.Response, list[Any]]:
-    """Send `held` requests the fake engine never answers, then one more; cancel the held ones."""
-    tasks = [asyncio.create_task(post(app, "/v1/completions", body(prompt="hold"))) for _ in range(held)]
-    while app.state.admission.waiting_requests < held:
-        await asyncio.sleep(0.001)
-    probe_response = await post(app, "/v1/completions", probe)
-    for task in tasks:
-        task.cancel()
-    results = await asyncio.gather(*tasks, return_exceptions=True)
-    return probe_response, results
-
-
 def test_over_the_cap_a_new_request_gets_429_and_admitted_ones_are_untouched() -> None:
     engine = FakeEngine(hang_at_step=0)  # never produces a first output: every admitted prompt stays waiting
     app = create_app(engine, Config(max_waiting_requests=2))
-    response, held = run(lambda: _hold_then_probe(app, 2, body()))
+    response, held = run(lambda: hold_then_probe(app, 2, body()))
     assert response.status_code == 429 and response.headers["retry-after"] == "1"
     assert response.json()["error"]["code"] == "rate_limit_exceeded"
     assert len(engine.requests) == 2  # the refused request never reached the engine
@@ -77,7 +64,7 @@ def test_over_the_cap_a_new_request_gets_429_and_admitted_ones_are_untouched() -
 
 def test_the_token_cap_refuses_a_large_prompt_while_others_wait() -> None:
     app = create_app(FakeEngine(hang_at_step=0), Config(max_waiting_tokens=100))
-    response, _ = run(lambda: _hold_then_probe(app, 1, body(prompt="x" * 100)))
+    response, _ = run(lambda: hold_then_probe(app, 1, body(prompt="x" * 100)))
     assert response.status_code == 429 and response.json()["error"]["type"] == "tokens"
 
 

@@ -222,9 +222,3 @@ def test_sampling_params_reach_the_engine(client: TestClient, engine: FakeEngine
     params = engine.requests[0][2]
     assert (params.temperature, params.top_p, params.seed, params.stop) == (0.0, 0.5, 3, ("z",))
     assert (params.logit_bias, params.logprobs, params.prompt_logprobs) == ({9: -100.0}, 2, 2)
-
-
-def test_user_is_logged(client: TestClient, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level("INFO", logger="tokenmill.api.app")
-    complete(client, user="user-1234")
-    assert "user-1234" in caplog.text

@@ -17,6 +17,7 @@ from tests.api.api_helpers import (
     TINY_MODEL,
     assert_openai_error,
     body,
+    get,
     parse_sse,
     post,
     run,
@@ -26,6 +27,7 @@ from tests.api.api_helpers import (
 )
 from tests.api.fake_engine import FakeEngine
 from tests.api.rate_limit_helpers import RATE_HEADERS, FakeClock, limited_app, rate_headers
+from tests.api.scrape import parse, value
 from tokenmill.api.app import create_app
 from tokenmill.api.rate_limit import OTHER, hashed
 from tokenmill.config import Config
@@ -100,6 +102,20 @@ def test_users_of_one_key_are_limited_apart_and_the_key_binds_them_together() ->
     bob = complete(app, body(user="bob"))  # bob has one left of his own, but the key has none
     assert_openai_error(bob, 429, "rate_limit_exceeded")
     assert "this API key" in bob.json()["error"]["message"]
+
+
+def test_metrics_count_each_429_under_the_limit_that_refused_it() -> None:
+    config = Config(rate_limit_requests="3/min", rate_limit_user_requests="2/min", metrics_public=True)
+    app = limited_app(config, FakeClock())
+    statuses = [complete(app, body(user=user)).status_code for user in ("alice", "alice", "alice", "bob", "bob")]
+    assert statuses == [200, 200, 429, 200, 429]  # alice's own limit, then the key's
+    samples = parse(run(lambda: get(app, "/metrics")).text)
+    reasons = ("key_requests", "user_requests", "key_tokens", "busy_requests")
+    assert [value(samples, "tokenmill_rate_limited_total", reason=r) for r in reasons] == [1, 1, 0, 0]
+    assert value(samples, "tokenmill_user_requests", user=hashed("alice")) == 2  # finished ones only
+    assert value(samples, "tokenmill_user_requests", user=hashed("bob")) == 1
+    assert value(samples, "tokenmill_user_requests", user=OTHER) == 0
+    assert "alice" not in run(lambda: get(app, "/metrics")).text
 
 
 def test_keys_are_limited_apart() -> None:

@@ -50,6 +50,7 @@ class Admission:
                 f"(limit {self.max_waiting_requests}). Please retry after a short wait.",
                 "requests",
                 RETRY_AFTER_S,
+                reason="busy_requests",
             )
         if self.waiting_tokens and self.waiting_tokens + tokens > self.max_waiting_tokens:
             raise errors.rate_limited(
@@ -57,6 +58,7 @@ class Admission:
                 f"(limit {self.max_waiting_tokens}). Please retry after a short wait.",
                 "tokens",
                 RETRY_AFTER_S,
+                reason="busy_tokens",
             )
         self.waiting_requests += count
         self.waiting_tokens += tokens

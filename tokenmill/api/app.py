@@ -1,7 +1,8 @@
 """create_app(engines, config): the routes, bearer auth and the handlers that turn every failure into OpenAI's error body.
 
-The engines (one per model served, keyed by model id: a request's `model` picks one) live on `app.state`, never in a
-module global, so tests build the app around a fake engine.
+The engines (one per model served, keyed by model id: a request's `model` picks one) and the metrics live on
+`app.state`, never in a module global, so tests build the app around a fake engine. Every request passes the access
+log (outermost), the API-key check, then the envelope guard.
 """
 
 from __future__ import annotations
@@ -23,11 +24,20 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenmill.api import errors, protocol
+from tokenmill.api.access_log import (
+    CLIENT_CLOSED_REQUEST,
+    REQUEST_ID_HEADER,
+    AccessLog,
+    note_completion,
+    note_error,
+    request_id,
+)
 from tokenmill.api.admission import RETRY_AFTER_S, Admission
 from tokenmill.api.completions import Completion, Engine, adds_bos
 from tokenmill.api.errors import APIError
 from tokenmill.api.guard import RequestGuard
 from tokenmill.api.limits import RequestLimits
+from tokenmill.api.metrics import Metrics
 from tokenmill.api.protocol import CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_request
 from tokenmill.api.rate_limit import ANONYMOUS, Quota, RateLimiter, UserUsage, hashed
 from tokenmill.api.sse import SSEResponse
@@ -37,7 +47,7 @@ from tokenmill.engine.content_filter import ContentFilter
 logger = logging.getLogger(__name__)
 
 PUBLIC_PATHS = frozenset({"/health"})  # reachable without the API key (liveness probes)
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"; nobody reads it
+METRICS_PATH = "/metrics"  # public too with --metrics-public
 
 T = TypeVar("T")
 router = APIRouter()
@@ -56,6 +66,11 @@ def create_app(engines: Engine | Sequence[Engine], config: Config) -> FastAPI:
     app.state.content_filter = ContentFilter.from_file(config.content_filter) if config.content_filter else None
     app.state.rate_limiter = RateLimiter.from_config(config)  # None: no limits; tests swap in one on a fake clock
     app.state.user_usage = UserUsage()
+    app.state.metrics = Metrics(app.state.engines, app.state.user_usage)
+    for name, engine in app.state.engines.items():
+        add_step_observer = getattr(engine, "add_step_observer", None)  # the real engine's; a fake may lack it
+        if add_step_observer is not None:
+            add_step_observer(app.state.metrics.step_observer(name))
     app.include_router(router)
     # Starlette types every handler as taking any Exception; it calls each only with the class it is registered for
     app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
@@ -64,7 +79,9 @@ def create_app(engines: Engine | Sequence[Engine], config: Config) -> FastAPI:
     app.add_exception_handler(Exception, _unexpected_error)
     app.add_middleware(RequestGuard, max_body_bytes=config.max_request_bytes)
     if config.api_key:
-        app.add_middleware(BearerAuth, keys=config.api_key)
+        public = PUBLIC_PATHS | {METRICS_PATH} if config.metrics_public else PUBLIC_PATHS
+        app.add_middleware(BearerAuth, keys=config.api_key, public=public)
+    app.add_middleware(AccessLog, metrics=app.state.metrics, routes=router.routes)  # last added: the outermost
     return app
 
 
@@ -121,13 +138,19 @@ def _user_usage(request: Request) -> UserUsage:
     return usage
 
 
+def _metrics(request: Request) -> Metrics:
+    metrics: Metrics = request.app.state.metrics
+    return metrics
+
+
 @router.post("/v1/completions", openapi_extra=protocol.openapi_body(CompletionRequest))
 async def create_completion(request: Request) -> Response:
     """With rate limits on, every answer carries their x-ratelimit-* headers, errors included (a stream's go out with
     its start)."""
+    arrived = time.monotonic()
     quota = Quota(request.app.state.rate_limiter, getattr(request.state, "api_key_hash", ANONYMOUS))
     try:
-        response = await _complete(request, quota)
+        response = await _complete(request, quota, arrived)
     except APIError as exc:
         exc.headers = {**quota.headers(), **(exc.headers or {})}
         raise
@@ -135,7 +158,7 @@ async def create_completion(request: Request) -> Response:
     return response
 
 
-async def _complete(request: Request, quota: Quota) -> Response:
+async def _complete(request: Request, quota: Quota, arrived: float) -> Response:
     """Parse → rate limits → admission: a request over its limits never takes a place in the waiting queue."""
     admission = _admission(request)
     body = parse_request(CompletionRequest, await request.body())
@@ -143,30 +166,35 @@ async def _complete(request: Request, quota: Quota) -> Response:
     engine = _engine(request, body.model)
     admission.check_open(engine.is_healthy())
     quota.check()  # out of requests: refused before its prompts are tokenised
-    completion = Completion(body, engine, request.app.state.limits, request.app.state.content_filter)
+    state = request.app.state
+    completion = Completion(body, engine, state.limits, state.content_filter, arrived_at=arrived)
     quota.acquire(completion.token_budget)
     try:
         ticket = admission.admit([len(p.token_ids) for p in completion.prompts])
     except APIError:
         quota.cancel()  # refused for the server's load, not for anything the client did: it costs nothing
         raise
+    completion.admitted_at = time.monotonic()
     completion.on_started = ticket.started
-    if body.user is not None:
-        logger.info("completion %s for user %r", completion.meta.id, body.user)
 
-    def close() -> None:
+    def finish() -> None:
+        """However it ended: free its admission and refund its unused tokens, then tell the metrics, the access log
+        and the per-user usage what it did."""
         ticket.close()
         used = completion.usage()["total_tokens"]
         quota.finish(used)
         if body.user is not None:
             _user_usage(request).record(body.user, used)
+        record = completion.record(with_text=state.config.log_prompts)
+        note_completion(request.scope, record)
+        _metrics(request).completion(record)
 
     if body.stream:
-        return SSEResponse(completion.frames(), on_close=close)
+        return SSEResponse(completion.frames(), on_close=finish)
     try:
         result = await _cancel_on_disconnect(request, completion.response())
     finally:
-        close()
+        finish()
     if result is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     return JSONResponse(result)
@@ -196,6 +224,13 @@ async def health(request: Request) -> dict[str, str]:
     if sick:
         raise errors.service_unavailable(f"The engine of {', '.join(sick)} is not healthy.", RETRY_AFTER_S)
     return {"status": "ok"}
+
+
+@router.get(METRICS_PATH, include_in_schema=False)
+async def metrics(request: Request) -> Response:
+    """Prometheus metrics (api/metrics.py): text format, or OpenMetrics when the scraper asks for it."""
+    body, content_type = _metrics(request).exposition(request.headers.get("accept"))
+    return Response(body, media_type=content_type)
 
 
 @router.get("/stats")
@@ -289,21 +324,23 @@ async def _disconnected(request: Request) -> None:
 
 # --- auth -----------------------------------------------------------------------------------------------------------
 class BearerAuth:
-    """Every path but PUBLIC_PATHS needs `Authorization: Bearer <one of keys>`; compared in constant time. The routes
-    learn which key matched as `request.state.api_key_hash`, never the key itself."""
+    """Every path but the public ones needs `Authorization: Bearer <one of keys>`; compared in constant time. The
+    routes learn which key matched as `request.state.api_key_hash`, never the key itself."""
 
-    def __init__(self, app: ASGIApp, keys: Iterable[str]) -> None:
+    def __init__(self, app: ASGIApp, keys: Iterable[str], public: frozenset[str] = PUBLIC_PATHS) -> None:
         self.app = app
         keys = list(keys)
         self.keys = [key.encode() for key in keys]
         self.hashes = [hashed(key) for key in keys]
+        self.public = public
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+        if scope["type"] != "http" or scope["path"] in self.public:
             await self.app(scope, receive, send)
             return
         matched = self._check(Headers(scope=scope).get("authorization"))
         if isinstance(matched, APIError):
+            note_error(scope, matched)
             await _error_response(matched)(scope, receive, send)
             return
         scope.setdefault("state", {})["api_key_hash"] = self.hashes[matched]
@@ -330,13 +367,14 @@ def _error_response(error: APIError) -> JSONResponse:
 
 
 async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    note_error(request.scope, exc)
     return _error_response(exc)
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     errs = list(exc.errors())
     body_error = bool(errs) and tuple(errs[0].get("loc", ()))[:1] == ("body",)
-    return _error_response(protocol.api_error_from_validation(errs, loc_prefix=1 if body_error else 0))
+    return await _api_error(request, protocol.api_error_from_validation(errs, loc_prefix=1 if body_error else 0))
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -348,9 +386,14 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
         error = errors.method_not_allowed(f"Method not allowed ({where})", allow)
     else:
         error = APIError(exc.status_code, str(exc.detail), headers=exc.headers)
-    return _error_response(error)
+    return await _api_error(request, error)
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
-    logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return _error_response(errors.server_error())
+    """Answered outside the access log's middleware (Starlette's outermost one calls it), so it adds the id itself."""
+    rid = request_id(request.scope)
+    logger.error("unhandled error on %s %s (request %s)", request.method, request.url.path, rid, exc_info=exc)
+    response = _error_response(errors.server_error())
+    if rid is not None:
+        response.headers[REQUEST_ID_HEADER] = rid
+    return response

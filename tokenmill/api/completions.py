@@ -21,6 +21,7 @@ from typing import Any, Protocol, TypeVar
 from tokenmill.api import protocol, sse
 from tokenmill.api.admission import RETRY_AFTER_S
 from tokenmill.api.errors import (
+    REQUEST_TIMEOUT,
     APIError,
     context_length_exceeded,
     invalid_request,
@@ -31,6 +32,7 @@ from tokenmill.api.errors import (
 from tokenmill.api.limits import RequestLimits
 from tokenmill.api.logprobs import LogprobsBuilder, empty_logprobs, extend_logprobs, finite, vllm_prompt_logprobs
 from tokenmill.api.protocol import CompletionMeta, CompletionRequest
+from tokenmill.api.record import CompletionRecord, PromptRecord, hash_user
 from tokenmill.engine import guided
 from tokenmill.engine.content_filter import ContentFilter
 from tokenmill.engine.guided import GuideError
@@ -85,6 +87,21 @@ class Prompt:
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None  # the prompt tokens' own logprobs, for echo
     hidden: int = 0  # leading tokens the model reads but the client did not send (an added BOS): echo leaves them out
+    started_at: float | None = None  # time.monotonic() of its first engine output, first token, last token, end
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    finished_at: float | None = None
+
+    def saw(self, output: RequestOutput, now: float) -> None:
+        """Note when an output arrived: the first one, and those that brought tokens or the end."""
+        if self.started_at is None:
+            self.started_at = now
+        if any(delta.token_ids for delta in output.deltas):
+            if self.first_token_at is None:
+                self.first_token_at = now
+            self.last_token_at = now
+        if output.finished:
+            self.finished_at = now
 
     @property
     def echoed_logprobs(self) -> list[TokenLogprob]:
@@ -257,7 +274,12 @@ class Completion:
         engine: Engine,
         limits: RequestLimits | None = None,
         content_filter: ContentFilter | None = None,
+        arrived_at: float | None = None,
     ) -> None:
+        self.arrived_at = time.monotonic() if arrived_at is None else arrived_at  # when the request came in
+        self.admitted_at: float | None = None  # set by whoever admits it (the app)
+        self.error: APIError | None = None  # what it ended with, raised or streamed
+        self.finished = False  # it ran to its end (every prompt finished, the response or last chunk is made)
         self.request = request
         self.engine = engine
         self.limits = limits or RequestLimits()
@@ -308,9 +330,17 @@ class Completion:
         return LogprobsBuilder(self.request.logprobs, start=0 if self.request.echo else len(prompt.text))
 
     async def response(self) -> dict[str, Any]:
-        async with aclosing(self._outputs()) as outputs:
-            async for prompt_index, output in outputs:
-                self._apply(prompt_index, output)
+        try:
+            async with aclosing(self._outputs()) as outputs:
+                async for prompt_index, output in outputs:
+                    self._apply(prompt_index, output)
+        except APIError as exc:
+            self.error = exc
+            raise
+        except Exception:
+            self.error = server_error()
+            raise
+        self.finished = True
         return protocol.completion_response(self.meta, self._returned_choices(), self.usage())
 
     async def frames(self) -> AsyncGenerator[str, None]:
@@ -321,13 +351,16 @@ class Completion:
                 async for prompt_index, output in outputs:
                     for piece in self._apply(prompt_index, output):
                         yield sse.data(self._chunk([piece], with_usage))
+            self.finished = True
             if with_usage:
                 yield sse.data(protocol.completion_chunk(self.meta, [], self.usage(), True))
         except APIError as exc:
+            self.error = exc
             yield sse.error_frame(exc)
         except Exception:
             logger.exception("completion %s failed while streaming", self.meta.id)
-            yield sse.error_frame(server_error())
+            self.error = server_error()
+            yield sse.error_frame(self.error)
         yield sse.DONE
 
     def _chunk(self, choices: list[dict[str, Any]], with_usage: bool) -> dict[str, Any]:
@@ -343,6 +376,7 @@ class Completion:
             raise server_error(f"The engine failed on this request: {output.error}")
         self.on_started(prompt_index)
         prompt = self.prompts[prompt_index]
+        prompt.saw(output, time.monotonic())
         prompt.cached_tokens = max(prompt.cached_tokens, output.num_cached_tokens)
         if output.prompt_logprobs is not None:
             prompt.logprobs = output.prompt_logprobs
@@ -370,6 +404,45 @@ class Completion:
             prompt_tokens=sum(len(p.token_ids) for p in self.prompts),
             completion_tokens=sum(c.num_tokens for c in self.choices),
             cached_tokens=sum(p.cached_tokens for p in self.prompts),
+        )
+
+    def record(self, with_text: bool = False) -> CompletionRecord:
+        """What this completion did, for the metrics and the access log; `with_text`: with prompt and outputs."""
+        width = self.params.n
+        error = self.error
+        return CompletionRecord(
+            model=self.meta.model,
+            completion_id=self.meta.id,
+            stream=bool(self.request.stream),
+            prompts=[
+                self._prompt_record(p, self.choices[i * width : (i + 1) * width]) for i, p in enumerate(self.prompts)
+            ],
+            finish_reasons=[c.finish_reason for c in self.choices if c.finish_reason is not None],
+            outcome=self.outcome,
+            error_status=error.status if error is not None else None,
+            error_code=error.code if error is not None else None,
+            user=hash_user(self.request.user) if self.request.user is not None else None,
+            prompt=self.request.prompt if with_text else None,
+            outputs=["".join(c.text) for c in self.choices] if with_text else None,
+        )
+
+    @property
+    def outcome(self) -> str:
+        if self.error is not None:
+            return "timeout" if self.error.code == REQUEST_TIMEOUT else "error"
+        return "ok" if self.finished else "client_gone"
+
+    def _prompt_record(self, prompt: Prompt, choices: list[Choice]) -> PromptRecord:
+        longest = max((c.num_tokens for c in choices), default=0)
+        return PromptRecord(
+            prompt_tokens=len(prompt.token_ids),
+            cached_tokens=prompt.cached_tokens,
+            completion_tokens=sum(c.num_tokens for c in choices),
+            started=prompt.started_at is not None,
+            admission_wait_s=_since(self.admitted_at, prompt.started_at),
+            ttft_s=_since(self.arrived_at, prompt.first_token_at),
+            tpot_s=_per_token(prompt.first_token_at, prompt.last_token_at, longest - 1),
+            e2e_s=_since(self.arrived_at, prompt.finished_at),
         )
 
     def _outputs(self) -> AsyncGenerator[tuple[int, RequestOutput], None]:
@@ -403,6 +476,15 @@ def check_content(
 
 
 _FILTERED = "The {} contains text that this server's content filter does not allow."
+
+
+def _since(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else end - start
+
+
+def _per_token(first: float | None, last: float | None, gaps: int) -> float | None:
+    span = _since(first, last)
+    return None if span is None or gaps < 1 else span / gaps
 
 
 def _check_something_is_allowed(params: SamplingParams, tokenizer: Tokenizer) -> None:

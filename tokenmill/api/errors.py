@@ -11,6 +11,7 @@ from typing import Any
 
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
+REQUEST_TIMEOUT = "request_timeout"  # the code of a completion stopped at --request-timeout-s
 
 
 class APIError(Exception):
@@ -22,6 +23,8 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: Mapping[str, str] | None = None,
+        *,
+        reason: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -30,6 +33,7 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers
+        self.reason = reason  # why, in one word, for the metrics and the access log (never sent)
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
@@ -84,11 +88,12 @@ def service_unavailable(message: str, retry_after_s: int | None = None) -> APIEr
     return APIError(503, message, SERVER_ERROR, None, "service_unavailable", headers)
 
 
-def rate_limited(message: str, limit: str, retry_after_s: int | None) -> APIError:
+def rate_limited(message: str, limit: str, retry_after_s: int | None, reason: str | None = None) -> APIError:
     """429 as the hosted API words it: type names the exhausted limit ("requests" or "tokens"). No retry_after_s:
-    waiting cannot help (the request is larger than the limit itself)."""
+    waiting cannot help (the request is larger than the limit itself). `reason` labels the refusal in the metrics
+    (tokenmill_rate_limited_total) and the log; default: the limit's name."""
     headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
-    return APIError(429, message, limit, None, "rate_limit_exceeded", headers)
+    return APIError(429, message, limit, None, "rate_limit_exceeded", headers, reason=reason or limit)
 
 
 def unsupported_media_type(content_type: str) -> APIError:
@@ -103,4 +108,4 @@ def request_timeout(timeout_s: float) -> APIError:
         f"The request did not finish within this server's limit of {timeout_s:g} s (--request-timeout-s); "
         "it was stopped and its resources freed."
     )
-    return APIError(504, message, SERVER_ERROR, None, "request_timeout")
+    return APIError(504, message, SERVER_ERROR, None, REQUEST_TIMEOUT)

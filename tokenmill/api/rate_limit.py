@@ -45,6 +45,11 @@ class Limit:
     per_user: bool  # one bucket per (key, user) instead of per key
 
     @property
+    def reason(self) -> str:
+        """Its 429s' label in /metrics: key_requests, key_tokens, user_requests or user_tokens."""
+        return f"{'user' if self.per_user else 'key'}_{self.dimension}"
+
+    @property
     def holder(self) -> str:
         return "this `user` of the API key" if self.per_user else "this API key"
 
@@ -188,7 +193,7 @@ def _limited(wait_s: float, limit: Limit, bucket: Bucket, cost: int) -> errors.A
         f"Rate limit reached for {limit.holder} on {limit.dimension} per {limit.rate.unit}: Limit {bucket.capacity}, "
         f"Remaining {bucket.remaining}, Requested {cost}. Please try again in {duration(wait_s)}."
     )
-    return errors.rate_limited(message, limit.dimension, max(math.ceil(wait_s - EPSILON), 1))
+    return errors.rate_limited(message, limit.dimension, max(math.ceil(wait_s - EPSILON), 1), limit.reason)
 
 
 def _too_large(limit: Limit, cost: int) -> errors.APIError:
@@ -197,7 +202,7 @@ def _too_large(limit: Limit, cost: int) -> errors.APIError:
         f"Request too large for {limit.holder} on {limit.dimension} per {limit.rate.unit}: Limit {limit.rate.count}, "
         f"Requested {cost}. The prompt or max_tokens x choices must be reduced for it to run."
     )
-    return errors.rate_limited(message, limit.dimension, None)
+    return errors.rate_limited(message, limit.dimension, None, limit.reason)
 
 
 def duration(seconds: float) -> str:

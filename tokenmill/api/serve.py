@@ -4,6 +4,10 @@ On SIGTERM the listener stays open but new completions (and /health) answer 503 
 moves traffic elsewhere; completions already admitted run on for up to `shutdown_grace_s`. Then the engine stops, so
 whatever still runs ends with a 503 (an error frame then `[DONE]` when streaming), uvicorn stops, and the process exits
 0. A second SIGTERM stops at once; SIGINT behaves as uvicorn's always does.
+
+Logging is the process's (api/logs.py, set up by the command line): uvicorn gets no configuration of its own, so its
+lines come out in the same format, and its access log is off, replaced by ours (api/access_log.py). Once the server
+listens, the start-up banner says where and what it serves.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from fastapi import FastAPI
 
 from tokenmill.api.admission import Admission
 from tokenmill.api.app import stop_engines
+from tokenmill.api.banner import log_banner, url_of
 from tokenmill.config import Config
 
 log = logging.getLogger(__name__)
@@ -29,18 +34,30 @@ CANCEL_AFTER_GRACE_S = 1  # after the grace period, how long uvicorn waits befor
 
 class DrainingServer(uvicorn.Server):
     def __init__(
-        self, config: uvicorn.Config, admission: Admission, grace_s: float, stop_engine: Callable[[], Awaitable[None]]
+        self,
+        config: uvicorn.Config,
+        admission: Admission,
+        grace_s: float,
+        stop_engine: Callable[[], Awaitable[None]],
+        on_listening: Callable[[str], None] = lambda url: None,
     ) -> None:
         super().__init__(config)
         self.admission = admission
         self.grace_s = grace_s
         self.stop_engine = stop_engine
+        self.on_listening = on_listening  # told the server's URL once it listens
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain: asyncio.Task[None] | None = None
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            port = self.config.port or self.servers[0].sockets[0].getsockname()[1]  # port 0: the one it was given
+            self.on_listening(url_of(self.config.host, port))
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig != signal.SIGTERM or not self.started or self._loop is None:
@@ -71,7 +88,13 @@ def serve(app: FastAPI, config: Config) -> int:
         host=config.host,
         port=config.port,
         log_level=config.log_level,
+        log_config=None,
+        access_log=False,
         timeout_graceful_shutdown=CANCEL_AFTER_GRACE_S,
     )
-    DrainingServer(uv_config, admission, config.shutdown_grace_s, lambda: stop_engines(app)).run()
+
+    def banner(url: str) -> None:
+        log_banner(url, app.state.engines.values(), with_key=bool(config.api_key))
+
+    DrainingServer(uv_config, admission, config.shutdown_grace_s, lambda: stop_engines(app), banner).run()
     return 0

@@ -14,6 +14,7 @@ from tokenmill import __version__
 from tokenmill.config import Config
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.kv_cache import BlockManager, kv_bytes_per_token
+from tokenmill.engine.outputs import EngineDescription
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.model.causal_lm import CausalLM
@@ -33,6 +34,7 @@ class LoadedEngine:
     core: EngineCore
     model_name: str  # what the API reports as `model`
     system_fingerprint: str
+    description: EngineDescription
 
 
 def load_engine_core(config: Config) -> LoadedEngine:
@@ -62,13 +64,43 @@ def load_engine_core(config: Config) -> LoadedEngine:
         save_prepared(model.state_dict(), loaded.cache_entry, dtype, quantization)
     release_freed_memory()
     name = config.served_model_name[0] if config.served_model_name else loaded.name
-    return LoadedEngine(core, name, system_fingerprint(loaded.source_id, config))
+    return LoadedEngine(core, name, system_fingerprint(loaded.source_id, config), describe(core, config))
 
 
 def system_fingerprint(source_id: str, config: Config) -> str:
     """Changes when, and only when, something that can change outputs changes: weights, dtype, quantisation, version."""
     key = f"{source_id}|{config.dtype}|{config.weight_quantization}|{__version__}"
     return "fp_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def describe(core: EngineCore, config: Config) -> EngineDescription:
+    """The engine as built from `config` (whose quantisation is the one run, see load_engine_core)."""
+    quantization = config.weight_quantization
+    return EngineDescription(
+        dtype=config.dtype,
+        quantization=quantization,
+        kv_cache_tokens=core.blocks.num_blocks * core.blocks.block_size,
+        kernels=kernels_in_use(config.dtype, quantization),
+    )
+
+
+def kernels_in_use(dtype: str, quantization: str) -> tuple[str, ...]:
+    """The C kernels a model of this dtype and quantisation calls here (the model's layers pick each by the same
+    checks); the rest of its work runs in torch."""
+    from tokenmill.kernels import ops
+
+    if ops.library() is None:
+        return ()
+    bf16 = dtype == "bfloat16"  # the fused, attention, GELU and matmul kernels take bf16 activations only
+    wanted = {
+        "fused": bf16,  # the norms, norm + residual, q/k norm + rotary
+        "paged_attention": bf16 and ops.paged_attention_available(),
+        "gelu_mul": bf16 and ops.gelu_mul_available(),
+        "int8_matmul": bf16 and quantization == "int8" and ops.int8_matmul_available(),
+        "gguf_matmul": bf16 and quantization == "gguf" and ops.gguf_matmul_available(),
+        "argmax": ops.argmax_available(),  # greedy sampling over float32 logits, whatever the dtype
+    }
+    return tuple(name for name, used in wanted.items() if used)
 
 
 def build_engine_core(model: CausalLM, tokenizer: Tokenizer, config: Config) -> EngineCore:

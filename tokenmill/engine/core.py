@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import logging
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from tokenmill.engine.kv_cache import BlockManager
-from tokenmill.engine.outputs import FinishReason, RequestOutput, TokenLogprob
+from tokenmill.engine.outputs import FinishReason, RequestOutput, StepReport, TokenLogprob
 from tokenmill.engine.prompt_logprobs import prompt_logprob_entries
 from tokenmill.engine.request import RequestState
 from tokenmill.engine.runner import ModelRunner
@@ -62,6 +64,7 @@ class EngineCore:
         self.stats = EngineStats(weight_bytes_per_token=runner.model.weight_bytes_per_token())
         self._token_texts: dict[int, str] = {}
         self._failed: list[RequestOutput] = []  # error outputs of requests failed during this step
+        self.step_observers: list[Callable[[StepReport], None]] = []  # told of each step that ran a batch
 
     # ---- requests in and out ----
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -107,12 +110,14 @@ class EngineCore:
 
     # ---- the step ----
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch:
             hidden = self._forward(batch)
             if hidden is not None:
                 self._postprocess(batch, hidden)
             self._count(batch)
+            self._report(batch, time.perf_counter() - started)
         failed, self._failed = self._failed, []
         return failed + self._collect_outputs()
 
@@ -290,6 +295,16 @@ class EngineCore:
         st.tokens_computed += sum(s.num_tokens for s in batch)
         st.max_seqs_in_step = max(st.max_seqs_in_step, len(batch))
         st.steps_with_multiple_seqs += len(batch) > 1
+
+    def _report(self, batch: list[Scheduled], duration_s: float) -> None:
+        if not self.step_observers:
+            return
+        report = StepReport(duration_s, len(batch), sum(s.num_tokens for s in batch))
+        for observe in self.step_observers:
+            try:
+                observe(report)
+            except Exception:  # an observer's bug must not fail the requests of the step it watched
+                log.exception("a step observer failed")
 
     def snapshot_stats(self) -> EngineStats:
         st = self.stats

@@ -18,7 +18,7 @@ from typing import TypeVar
 from tokenmill.config import Config
 from tokenmill.engine.build import load_engine_core
 from tokenmill.engine.core import EngineCore, EngineStats
-from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.outputs import EngineDescription, RequestOutput, StepReport
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.tokenizer import Tokenizer
 
@@ -35,9 +35,15 @@ def _engine_thread() -> ThreadPoolExecutor:
 
 class AsyncEngine:
     def __init__(
-        self, core: EngineCore, model_name: str, system_fingerprint: str, executor: ThreadPoolExecutor | None = None
+        self,
+        core: EngineCore,
+        model_name: str,
+        system_fingerprint: str,
+        executor: ThreadPoolExecutor | None = None,
+        description: EngineDescription | None = None,
     ) -> None:
         self.core = core
+        self.description = description  # dtype, quantisation, KV capacity, kernels: for the start-up banner
         self.tokenizer: Tokenizer = core.tokenizer
         self.model_name = model_name
         self.system_fingerprint = system_fingerprint
@@ -62,7 +68,7 @@ class AsyncEngine:
         """
         executor = _engine_thread()
         loaded = executor.submit(load_engine_core, config).result()
-        return cls(loaded.core, loaded.model_name, loaded.system_fingerprint, executor)
+        return cls(loaded.core, loaded.model_name, loaded.system_fingerprint, executor, loaded.description)
 
     def run_in_engine_thread(self, fn: Callable[[], T]) -> T:
         """Run fn on the engine's thread and wait (in-process tools; never while the step loop is running)."""
@@ -87,6 +93,11 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         with self._lock:
             return self.core.snapshot_stats()
+
+    def add_step_observer(self, observe: Callable[[StepReport], None]) -> None:
+        """`observe` is called on the engine thread after every step that ran a batch (keep it short and
+        thread-safe); add observers before `start`."""
+        self.core.step_observers.append(observe)
 
     # ---- requests ----
     async def generate(

@@ -49,3 +49,22 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob] | None = None  # set once, on the first output, when asked for
     finished: bool = False  # every sequence of the request is done
     error: str | None = None  # the request failed inside the engine; its sequences are aborted
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One engine step that ran a batch, told to the step observers (metrics) on the engine thread."""
+
+    duration_s: float  # schedule + forward + sampling + postprocessing
+    num_seqs: int  # sequences in the batch
+    num_tokens: int  # tokens computed: prefill chunks + one per decode
+
+
+@dataclass(frozen=True)
+class EngineDescription:
+    """What an engine serves and on what, for the start-up banner: plain values, so the HTTP edge needs no torch."""
+
+    dtype: str
+    quantization: str  # the weights' quantisation as run (a Hugging Face directory's "gguf" runs as int8)
+    kv_cache_tokens: int  # KV-cache blocks x block size: how many tokens all running sequences can hold together
+    kernels: tuple[str, ...]  # the C kernels this model's path calls; empty: torch only

@@ -1,0 +1,77 @@
+"""The start-up banner, and a real `tokenmill serve --log-format json`: its banner, our access lines in place of
+uvicorn's, and every line of its log a JSON object."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import signal
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+
+from tests.api.api_helpers import tiny_engine
+from tests.api.fake_engine import FakeEngine
+from tests.api.server_process import serve
+from tokenmill.api.banner import banner, url_of
+from tokenmill.engine.outputs import EngineDescription
+
+DESCRIPTION = EngineDescription("bfloat16", "gguf", 4096, ("fused", "gguf_matmul"))
+KEY = "sk-banner-secret"
+
+
+def test_the_banner_names_the_url_each_model_and_what_it_runs_on() -> None:
+    described = tiny_engine()
+    described.description = DESCRIPTION
+    text, fields = banner("http://127.0.0.1:8000", [described, FakeEngine()], with_key=False)
+    lines = text.splitlines()
+    assert lines[0] == "tokenmill is serving on http://127.0.0.1:8000"
+    assert lines[1] == (
+        "  tiny: bfloat16; gguf weights; context 512 tokens; KV cache 4096 tokens; C kernels: fused, gguf_matmul"
+    )
+    assert lines[2] == "  fake-model: context 128 tokens"  # an engine that does not describe itself
+    assert [m["model"] for m in fields["models"]] == ["tiny", "fake-model"]
+    assert fields["models"][0]["kv_cache_tokens"] == 4096
+
+
+def test_the_curl_line_runs_as_pasted_and_shows_key_only_as_a_variable() -> None:
+    engine = tiny_engine()
+    engine.description = replace(DESCRIPTION, quantization="none", kernels=())
+    for with_key in (False, True):
+        text, fields = banner("http://[::1]:9000", [engine], with_key=with_key)
+        words = shlex.split(fields["curl"])
+        assert words[:2] == ["curl", "http://[::1]:9000/v1/completions"]
+        assert json.loads(words[words.index("-d") + 1])["model"] == "tiny"
+        assert ("Authorization: Bearer $KEY" in words) == with_key
+        assert text.splitlines()[-1] == f"  try: {fields['curl']}"
+    assert "unquantised weights" in text and "C kernels: none (torch only)" in text
+
+
+def test_an_ipv6_host_is_bracketed_in_the_url() -> None:
+    assert url_of("::", 8000) == "http://[::]:8000" and url_of("127.0.0.1", 0) == "http://127.0.0.1:0"
+
+
+def test_a_json_server_log_is_all_json_with_the_banner_and_our_access_lines(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    flags = ("--log-format", "json", "--api-key", KEY, "--kv-cache-mb", "1")
+    with serve(tiny_model_dir, tmp_path, *flags) as server:
+        auth = {"Authorization": f"Bearer {KEY}", "x-request-id": "probe-1"}
+        payload = {"model": tiny_model_dir.name, "prompt": "hello", "max_tokens": 3}
+        ok = httpx.post(server.base_url + "/v1/completions", json=payload, headers=auth, timeout=60)
+        missing = httpx.get(server.base_url + "/nope", headers=auth, timeout=60)
+        server.process.send_signal(signal.SIGTERM)
+        assert server.wait_exit() == 0
+    raw = server.log.read_text()
+    lines = [json.loads(line) for line in raw.splitlines() if line.strip()]
+    assert ok.status_code == 200 and missing.status_code == 404
+    (start,) = [line for line in lines if line["logger"] == "tokenmill.banner"]
+    assert start["url"] == server.base_url and start["models"][0]["model"] == tiny_model_dir.name
+    assert start["models"][0]["kv_cache_tokens"] > 0 and '"Authorization: Bearer $KEY"' in start["curl"]
+    access = [line for line in lines if line["logger"] == "tokenmill.access" and line["path"] != "/health"]
+    assert [(a["request_id"], a["status"]) for a in access] == [("probe-1", 200), ("probe-1", 404)]
+    assert access[0]["completion_tokens"] == ok.json()["usage"]["completion_tokens"]
+    assert not [line for line in lines if line["logger"] == "uvicorn.access"]
+    assert any(line["logger"] == "uvicorn.error" for line in lines)  # uvicorn's own lines come out as JSON too
+    assert KEY not in raw and "hello" not in raw

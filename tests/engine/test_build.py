@@ -1,0 +1,30 @@
+"""What engine/build.py says of the engine it built: the description the start-up banner shows."""
+
+from __future__ import annotations
+
+from tests.engine.tiny import tiny_core
+from tokenmill.config import Config
+from tokenmill.engine.build import describe, kernels_in_use
+from tokenmill.kernels import ops
+
+BF16_ONLY = {"fused", "paged_attention", "gelu_mul", "int8_matmul", "gguf_matmul"}
+
+
+def test_the_description_gives_the_kv_capacity_in_tokens() -> None:
+    config = Config(dtype="float32", block_size=4, num_kv_blocks=32)
+    core = tiny_core(block_size=4, num_kv_blocks=32)
+    description = describe(core, config)
+    assert description.kv_cache_tokens == 32 * 4 == core.blocks.num_blocks * core.blocks.block_size
+    assert (description.dtype, description.quantization) == ("float32", "none")
+
+
+def test_float32_calls_no_bf16_kernel() -> None:
+    assert not BF16_ONLY & set(kernels_in_use("float32", "none"))
+    assert ("argmax" in kernels_in_use("float32", "none")) == ops.argmax_available()
+
+
+def test_each_quantisation_names_its_own_matmul_kernel_where_it_was_built() -> None:
+    int8, gguf = set(kernels_in_use("bfloat16", "int8")), set(kernels_in_use("bfloat16", "gguf"))
+    assert ("int8_matmul" in int8) == ops.int8_matmul_available() and "gguf_matmul" not in int8
+    assert ("gguf_matmul" in gguf) == ops.gguf_matmul_available() and "int8_matmul" not in gguf
+    assert ("fused" in int8) == (ops.library() is not None)
