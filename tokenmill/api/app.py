@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tokenmill.api import errors, protocol
+from tokenmill.api import errors, protocol, web
 from tokenmill.api.admission import RETRY_AFTER_S, Admission
 from tokenmill.api.completions import Completion, Engine, adds_bos
 from tokenmill.api.errors import APIError
@@ -34,7 +34,8 @@ from tokenmill.config import Config
 
 logger = logging.getLogger(__name__)
 
-PUBLIC_PATHS = frozenset({"/health"})  # reachable without the API key (liveness probes)
+# reachable without the API key: liveness probes, and the playground page (whose API calls still need it)
+PUBLIC_PATHS = frozenset({"/health"}) | web.PAGE_PATHS
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"; nobody reads it
 
 T = TypeVar("T")
@@ -52,6 +53,7 @@ def create_app(engines: Engine | Sequence[Engine], config: Config) -> FastAPI:
     app.state.admission = Admission.from_config(config)
     app.state.limits = RequestLimits.from_config(config)
     app.include_router(router)
+    app.include_router(web.router)
     # Starlette types every handler as taking any Exception; it calls each only with the class it is registered for
     app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
