@@ -67,6 +67,7 @@ async function loadModels() {
     );
     await describeModel();
   } catch (error) {
+    if (!cards.size) ui.model.replaceChildren(new Option("no models yet", ""));
     report(error);
   }
 }
