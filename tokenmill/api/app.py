@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tokenmill.api import errors, protocol
+from tokenmill.api import errors, protocol, web
 from tokenmill.api.access_log import (
     CLIENT_CLOSED_REQUEST,
     REQUEST_ID_HEADER,
@@ -46,7 +46,8 @@ from tokenmill.engine.content_filter import ContentFilter
 
 logger = logging.getLogger(__name__)
 
-PUBLIC_PATHS = frozenset({"/health"})  # reachable without the API key (liveness probes)
+# reachable without the API key: liveness probes, and the playground page (whose API calls still need it)
+PUBLIC_PATHS = frozenset({"/health"}) | web.PAGE_PATHS
 METRICS_PATH = "/metrics"  # public too with --metrics-public
 
 T = TypeVar("T")
@@ -72,6 +73,7 @@ def create_app(engines: Engine | Sequence[Engine], config: Config) -> FastAPI:
         if add_step_observer is not None:
             add_step_observer(app.state.metrics.step_observer(name))
     app.include_router(router)
+    app.include_router(web.router)
     # Starlette types every handler as taking any Exception; it calls each only with the class it is registered for
     app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
