@@ -13,10 +13,11 @@ from tests.api.fake_engine import FakeEngine
 from tokenmill.api.app import create_app
 from tokenmill.api.completions import Engine
 from tokenmill.api.errors import APIError
-from tokenmill.api.rate_limit import REQUESTS, TOKENS, Limit, RateLimiter, hashed
+from tokenmill.api.rate_limit import REQUESTS, TOKENS, Limit, RateLimiter
+from tokenmill.api.record import pseudonym
 from tokenmill.config import Config, parse_rate
 
-KEY = hashed("sk-test")
+KEY = pseudonym("sk-test")
 
 RATE_HEADERS = tuple(
     f"x-ratelimit-{what}-{dimension}"

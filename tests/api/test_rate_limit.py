@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tests.api.rate_limit_helpers import KEY, FakeClock, limiter, refused
-from tokenmill.api.rate_limit import OTHER, REQUESTS, TOKENS, Limit, Quota, RateLimiter, UserUsage, duration, hashed
+from tokenmill.api.rate_limit import OTHER, REQUESTS, TOKENS, Limit, Quota, RateLimiter, UserUsage, duration
+from tokenmill.api.record import pseudonym
 from tokenmill.config import Config, parse_rate
 
 
@@ -109,9 +110,9 @@ def test_a_refused_request_charges_no_bucket() -> None:
 
 def test_keys_are_limited_apart() -> None:
     rates = limiter(FakeClock(), requests="1/min")
-    rates.acquire(hashed("key-a"), None, 0)
-    refused(rates.acquire, hashed("key-a"), None, 0)
-    rates.acquire(hashed("key-b"), None, 0)
+    rates.acquire(pseudonym("key-a"), None, 0)
+    refused(rates.acquire, pseudonym("key-a"), None, 0)
+    rates.acquire(pseudonym("key-b"), None, 0)
 
 
 def test_a_request_larger_than_the_limit_is_refused_without_a_retry_after() -> None:
@@ -198,10 +199,10 @@ def test_from_config_reads_the_four_settings() -> None:
 
 def test_keys_and_users_are_known_only_by_a_hash() -> None:
     rates = limiter(FakeClock(), requests="10/min", user_requests="5/min")
-    rates.acquire(hashed("sk-secret"), "alice@example.com", 0)
+    rates.acquire(pseudonym("sk-secret"), "alice@example.com", 0)
     held = repr(rates._buckets)
     assert "sk-secret" not in held and "alice" not in held
-    assert hashed("sk-secret") in held and hashed("alice@example.com") in held
+    assert pseudonym("sk-secret") in held and pseudonym("alice@example.com") in held
 
 
 # --- usage per user -------------------------------------------------------------------------------------------------
@@ -212,8 +213,8 @@ def test_usage_rows_are_the_top_users_by_requests_and_the_rest_as_other() -> Non
             usage.record(user, 10)
     rows = usage.rows()
     assert [(r.user, r.requests, r.tokens) for r in rows] == [
-        (hashed("b"), 3, 30),
-        (hashed("c"), 2, 20),
+        (pseudonym("b"), 3, 30),
+        (pseudonym("c"), 2, 20),
         (OTHER, 2, 20),
     ]
 

@@ -29,7 +29,8 @@ from tests.api.fake_engine import FakeEngine
 from tests.api.rate_limit_helpers import RATE_HEADERS, FakeClock, limited_app, rate_headers
 from tests.api.scrape import parse, value
 from tokenmill.api.app import create_app
-from tokenmill.api.rate_limit import OTHER, hashed
+from tokenmill.api.rate_limit import OTHER
+from tokenmill.api.record import pseudonym
 from tokenmill.config import Config
 
 BAD = body(n=0)  # a 400 that charges nothing: a way to read the headers
@@ -112,8 +113,8 @@ def test_metrics_count_each_429_under_the_limit_that_refused_it() -> None:
     samples = parse(run(lambda: get(app, "/metrics")).text)
     reasons = ("key_requests", "user_requests", "key_tokens", "busy_requests")
     assert [value(samples, "tokenmill_rate_limited_total", reason=r) for r in reasons] == [1, 1, 0, 0]
-    assert value(samples, "tokenmill_user_requests", user=hashed("alice")) == 2  # finished ones only
-    assert value(samples, "tokenmill_user_requests", user=hashed("bob")) == 1
+    assert value(samples, "tokenmill_user_requests", user=pseudonym("alice")) == 2  # finished ones only
+    assert value(samples, "tokenmill_user_requests", user=pseudonym("bob")) == 1
     assert value(samples, "tokenmill_user_requests", user=OTHER) == 0
     assert "alice" not in run(lambda: get(app, "/metrics")).text
 
@@ -234,7 +235,7 @@ def test_finished_requests_are_counted_per_user_for_metrics() -> None:
     complete(app, body(max_tokens=5))  # no user: no row
     complete(app, BAD | {"user": "bob"})  # refused: not counted
     rows = [(r.user, r.requests, r.tokens) for r in app.state.user_usage.rows()]
-    assert rows == [(hashed("alice"), 2, 8 + 13), (OTHER, 0, 0)]
+    assert rows == [(pseudonym("alice"), 2, 8 + 13), (OTHER, 0, 0)]
 
 
 def test_the_openai_client_sees_a_rate_limit_error() -> None:

@@ -39,7 +39,8 @@ from tokenmill.api.guard import RequestGuard
 from tokenmill.api.limits import RequestLimits
 from tokenmill.api.metrics import Metrics
 from tokenmill.api.protocol import CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_request
-from tokenmill.api.rate_limit import ANONYMOUS, Quota, RateLimiter, UserUsage, hashed
+from tokenmill.api.rate_limit import ANONYMOUS, Quota, RateLimiter, UserUsage
+from tokenmill.api.record import pseudonym
 from tokenmill.api.sse import SSEResponse
 from tokenmill.config import Config
 from tokenmill.engine.content_filter import ContentFilter
@@ -333,7 +334,7 @@ class BearerAuth:
         self.app = app
         keys = list(keys)
         self.keys = [key.encode() for key in keys]
-        self.hashes = [hashed(key) for key in keys]
+        self.hashes = [pseudonym(key) for key in keys]
         self.public = public
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

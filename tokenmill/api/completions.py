@@ -32,7 +32,7 @@ from tokenmill.api.errors import (
 from tokenmill.api.limits import RequestLimits
 from tokenmill.api.logprobs import LogprobsBuilder, empty_logprobs, extend_logprobs, finite, vllm_prompt_logprobs
 from tokenmill.api.protocol import CompletionMeta, CompletionRequest
-from tokenmill.api.record import CompletionRecord, PromptRecord, hash_user
+from tokenmill.api.record import CompletionRecord, PromptRecord, pseudonym
 from tokenmill.engine import guided
 from tokenmill.engine.content_filter import ContentFilter
 from tokenmill.engine.guided import GuideError
@@ -421,7 +421,7 @@ class Completion:
             outcome=self.outcome,
             error_status=error.status if error is not None else None,
             error_code=error.code if error is not None else None,
-            user=hash_user(self.request.user) if self.request.user is not None else None,
+            user=pseudonym(self.request.user) if self.request.user is not None else None,
             prompt=self.request.prompt if with_text else None,
             outputs=["".join(c.text) for c in self.choices] if with_text else None,
         )

@@ -14,13 +14,13 @@ dropped and memory follows the users active within one period. Everything runs o
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tokenmill.api import errors
+from tokenmill.api.record import pseudonym
 from tokenmill.config import Config, Rate, parse_rate
 
 REQUESTS, TOKENS = "requests", "tokens"  # the two dimensions, as OpenAI names them in the 429's type and the headers
@@ -30,12 +30,6 @@ SWEEP_INTERVAL_S = 1.0  # how often full buckets are looked for and dropped
 EPSILON = 1e-9  # a refill of whole tokens can land a hair below the integer it should reach
 
 Clock = Callable[[], float]
-
-
-def hashed(text: str) -> str:
-    """What a key or a user name is known by here (and in /metrics): never the text itself. Unsalted, so it stays the
-    same across restarts; a pseudonym, not a secret, for a guessable user name."""
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -164,7 +158,7 @@ class RateLimiter:
         return entries
 
     def _bucket_ids(self, key: str, user: str | None) -> list[BucketId]:
-        user_hash = hashed(user) if user is not None else None
+        user_hash = pseudonym(user) if user is not None else None
         return [
             (limit, key, user_hash if limit.per_user else None)
             for limit in self.limits
@@ -256,7 +250,7 @@ class Quota:
 # --- usage per user, for /metrics -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class UsageRow:
-    user: str  # hashed(name), or OTHER
+    user: str  # pseudonym(name), or OTHER
     requests: int
     tokens: int
 
@@ -280,7 +274,7 @@ class UserUsage:
         return len(self._users)
 
     def record(self, user: str, tokens: int) -> None:
-        name = hashed(user)
+        name = pseudonym(user)
         requests, used = self._users.get(name, (0, 0))
         self._users[name] = (requests + 1, used + tokens)
         if len(self._users) > self.max_tracked:

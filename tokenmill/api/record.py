@@ -38,7 +38,7 @@ class CompletionRecord:
     outcome: str  # "ok", "client_gone" (disconnected or cancelled first), "timeout", "error"
     error_status: int | None = None  # the status of the error it ended with (a stream's error frame included)
     error_code: str | None = None
-    user: str | None = None  # hash_user(request.user)
+    user: str | None = None  # pseudonym(request.user)
     prompt: Any = None  # the prompt as sent (text or token ids) and each choice's text: only with --log-prompts
     outputs: list[str] | None = None
 
@@ -61,8 +61,9 @@ class CompletionRecord:
         return min((p.ttft_s for p in self.prompts if p.ttft_s is not None), default=None)
 
 
-def hash_user(user: str) -> str:
-    """The `user` field as the log shows it: an unsalted sha256 prefix. Unsalted on purpose: the same user reads the
-    same in every process and after restarts, and an operator can find a known user's lines by hashing the id. It
-    hides the id from a log reader; it does not stop someone guessing a short, predictable id (send opaque ids)."""
-    return hashlib.sha256(user.encode()).hexdigest()[:USER_HASH_CHARS]
+def pseudonym(text: str) -> str:
+    """What a `user` (in the log, /metrics and the rate limiter) or an API key (in the rate limiter) is known by: an
+    unsalted sha256 prefix. Unsalted on purpose: the same user reads the same in every process and after restarts,
+    and an operator can find a known user's lines by hashing the id. It hides the id from a log reader; it does not
+    stop someone guessing a short, predictable id (send opaque ids)."""
+    return hashlib.sha256(text.encode()).hexdigest()[:USER_HASH_CHARS]
