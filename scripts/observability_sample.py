@@ -1,12 +1,13 @@
 """What a scrape of /metrics and the server's log look like after a few real requests, for the README.
 
-python scripts/observability_sample.py [--log-format text|json] [--out DIR]
+python scripts/observability_sample.py [--default-model] [--log-format text|json] [--out DIR]
 
 Starts `tokenmill serve` (127.0.0.1, a free port, an API key) on a tiny random-weight Gemma 3 written to a temporary
-directory (tests/tiny_model.py, so run it from the repository root), sends a plain completion with a `user`, a streamed
+directory (tests/tiny_model.py, so run it from the repository root), or with `--default-model` on the packaged
+Gemma 3 270M, sends a plain completion with a `user`, a streamed
 one of the same prompt (its full blocks come from the prefix cache) and a request for a path that does not exist,
 scrapes /metrics, stops the server with SIGTERM, then prints the server's log and the scrape's `tokenmill_` lines
-(`--out` also writes both whole). The model's text is noise; its timings are a tiny model's on this machine.
+(`--out` also writes both whole). The tiny model's text is noise.
 """
 
 from __future__ import annotations
@@ -32,12 +33,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--log-format", choices=("text", "json"), default="text")
     parser.add_argument("--out", type=Path, help="also write server.log and metrics.txt here")
+    parser.add_argument("--default-model", action="store_true", help="serve the packaged Gemma 3 270M instead")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     from tests.tiny_model import write_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
-        model = write_tiny_model(Path(tmp) / "tiny-gemma3")
+        model = None if args.default_model else write_tiny_model(Path(tmp) / "tiny-gemma3")
         log, scrape = run_server(model, Path(tmp), args.log_format)
     print(log, end="")
     print()
@@ -49,18 +51,19 @@ def main() -> int:
     return 0
 
 
-def run_server(model: Path, tmp: Path, log_format: str) -> tuple[str, str]:
-    """Serve, send the requests, scrape, stop: (the server's log, the scrape)."""
+def run_server(model: Path | None, tmp: Path, log_format: str) -> tuple[str, str]:
+    """Serve (model None: the packaged default), send the requests, scrape, stop: (the server's log, the scrape)."""
     port, log_path = free_port(), tmp / "server.log"
-    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--model", str(model), "--cache-dir", str(tmp)]
-    cmd += ["--port", str(port), "--api-key", KEY, "--log-format", log_format, "--kv-cache-mb", "4"]
+    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--cache-dir", str(tmp)]
+    cmd += ["--model", str(model), "--kv-cache-mb", "4"] if model is not None else []
+    cmd += ["--port", str(port), "--api-key", KEY, "--log-format", log_format]
     with log_path.open("wb") as out:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     try:
         base = f"http://127.0.0.1:{port}"
         wait_healthy(base, process)
-        scrape = send_requests(base, model.name)
+        scrape = send_requests(base, model.name if model is not None else "gemma-3-270m")
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=60)
     finally:

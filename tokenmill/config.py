@@ -107,7 +107,7 @@ class Config:
     )
     # --- observability ---
     metrics_public: bool = _opt(
-        False, "serve GET /metrics without the API key (every other route but /health needs it)"
+        False, "serve GET /metrics without the API key (which every route needs but /health and the playground page)"
     )
     log_format: str = _opt(
         "text", "access log and server log lines as text, or one JSON object a line", choices=LOG_FORMATS

@@ -15,7 +15,10 @@ from hypothesis import strategies as st
 from tokenmill.engine.detok import IncrementalDetokenizer
 
 REPLACEMENT = "\ufffd"
-characters = st.characters(exclude_characters=REPLACEMENT, exclude_categories=("Cs",))
+# SentencePiece writes a space as "▁" (U+2581), so the tokenizer itself reads a literal "▁" as a space:
+# decode(encode("a▁b")) is "a b". No detokeniser can give back what the ids no longer say, so the texts leave it out.
+SPACE_MARK = "\u2581"
+characters = st.characters(exclude_characters=REPLACEMENT + SPACE_MARK, exclude_categories=("Cs",))
 words = st.sampled_from(
     [
         "the",
