@@ -19,6 +19,7 @@ import socket
 from collections.abc import Awaitable, Callable
 from types import FrameType
 
+import prometheus_client
 import uvicorn
 from fastapi import FastAPI
 
@@ -83,6 +84,9 @@ class DrainingServer(uvicorn.Server):
 
 def serve(app: FastAPI, config: Config) -> int:
     admission: Admission = app.state.admission
+    # every counter's *_created twin doubles a scrape for a start time the process metrics already give;
+    # process-wide, so it is switched off here for the server, not in create_app
+    prometheus_client.disable_created_metrics()
     uv_config = uvicorn.Config(
         app,
         host=config.host,
