@@ -33,11 +33,12 @@ from tokenmill.api.access_log import (
     request_id,
 )
 from tokenmill.api.admission import RETRY_AFTER_S, Admission
-from tokenmill.api.completions import Completion, Engine, adds_bos
+from tokenmill.api.completions import Completion, Engine
 from tokenmill.api.errors import APIError
 from tokenmill.api.guard import RequestGuard
 from tokenmill.api.limits import RequestLimits
 from tokenmill.api.metrics import Metrics
+from tokenmill.api.prompts import adds_bos
 from tokenmill.api.protocol import CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_request
 from tokenmill.api.rate_limit import ANONYMOUS, Quota, RateLimiter, UserUsage
 from tokenmill.api.record import pseudonym

@@ -1,5 +1,7 @@
 """POST /v1/completions: prompts × n (× best_of) → engine requests → one response or an SSE stream.
 
+The prompts are prepared (and every 400 raised) in prompts.py; each choice's progress is a Choice (choice.py).
+
 Each prompt becomes one engine request whose SamplingParams.n sequences are its choices (index = prompt × n + j). All
 prompts run concurrently; closing the output stream (client gone, task cancelled) closes every engine generator, which
 aborts the requests. Stop strings, EOS, max_tokens and UTF-8-safe text are the engine's job: deltas are final text.
@@ -13,54 +15,41 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from tokenmill.api import protocol, sse
 from tokenmill.api.admission import RETRY_AFTER_S
+from tokenmill.api.choice import Choice
 from tokenmill.api.errors import (
     REQUEST_TIMEOUT,
     APIError,
-    context_length_exceeded,
     invalid_request,
     request_timeout,
     server_error,
     service_unavailable,
 )
 from tokenmill.api.limits import RequestLimits
-from tokenmill.api.logprobs import LogprobsBuilder, empty_logprobs, extend_logprobs, finite, vllm_prompt_logprobs
+from tokenmill.api.logprobs import LogprobsBuilder
+from tokenmill.api.prompts import (
+    Prompt,
+    Tokenizer,
+    bad_words_ids,
+    check_content,
+    prepare_prompts,
+    prompt_items,
+)
 from tokenmill.api.protocol import CompletionMeta, CompletionRequest
 from tokenmill.api.record import CompletionRecord, PromptRecord, pseudonym
 from tokenmill.engine import guided
 from tokenmill.engine.content_filter import ContentFilter
 from tokenmill.engine.guided import GuideError
-from tokenmill.engine.outputs import FinishReason, RequestOutput, SequenceDelta, TokenLogprob
+from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class Tokenizer(Protocol):
-    bos_id: int | None
-    eos_id: int | None
-
-    @property
-    def vocab_size(self) -> int: ...
-
-    @property
-    def supports_fim(self) -> bool: ...
-
-    @property
-    def fim_end_ids(self) -> tuple[int, ...]: ...
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
-
-    def encode_infill(self, prefix: str, suffix: str) -> list[int]: ...
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
 
 
 class Engine(Protocol):
@@ -78,192 +67,6 @@ class Engine(Protocol):
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]: ...
-
-
-@dataclass
-class Prompt:
-    token_ids: list[int]  # what the model reads
-    text: str  # what echo returns: the string as sent, or the decoded token ids
-    cached_tokens: int = 0
-    logprobs: list[TokenLogprob] | None = None  # the prompt tokens' own logprobs, for echo
-    hidden: int = 0  # leading tokens the model reads but the client did not send (an added BOS): echo leaves them out
-    started_at: float | None = None  # time.monotonic() of its first engine output, first token, last token, end
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    finished_at: float | None = None
-
-    def saw(self, output: RequestOutput, now: float) -> None:
-        """Note when an output arrived: the first one, and those that brought tokens or the end."""
-        if self.started_at is None:
-            self.started_at = now
-        if any(delta.token_ids for delta in output.deltas):
-            if self.first_token_at is None:
-                self.first_token_at = now
-            self.last_token_at = now
-        if output.finished:
-            self.finished_at = now
-
-    @property
-    def echoed_logprobs(self) -> list[TokenLogprob]:
-        return (self.logprobs or [])[self.hidden :]
-
-
-# --- preparing: everything that can be a 400 happens before the first engine call ---------------------------------
-def prepare_prompts(request: CompletionRequest, engine: Engine, max_tokens: int) -> list[Prompt]:
-    tokenizer = engine.tokenizer
-    _check_in_vocabulary([int(key) for key in request.logit_bias or {}], tokenizer.vocab_size, "logit_bias")
-    _check_in_vocabulary(request.stop_token_ids or [], tokenizer.vocab_size, "stop_token_ids")
-    _check_in_vocabulary(request.allowed_token_ids or [], tokenizer.vocab_size, "allowed_token_ids")
-    items = _prompt_items(request.prompt)
-    if request.suffix:
-        prompts = [_infill_prompt(item, request.suffix, tokenizer) for item in items]
-    else:
-        with_text = bool(request.echo) or request.logprobs is not None  # echo returns it; text_offset counts it
-        prompts = [_prompt(item, tokenizer, with_text, request.truncate_prompt_tokens) for item in items]
-    for prompt in prompts:
-        if len(prompt.token_ids) + max_tokens > engine.max_model_len:
-            raise context_length_exceeded(engine.max_model_len, len(prompt.token_ids), max_tokens)
-    return prompts
-
-
-def _prompt_items(prompt: protocol.PromptInput | None) -> Sequence[str | list[int]]:
-    if prompt is None:  # OpenAI: no prompt means "from the start of a document"
-        return [""]
-    if isinstance(prompt, str):
-        return [prompt]
-    if isinstance(prompt[0], int):
-        return [prompt]
-    return prompt
-
-
-def _check_in_vocabulary(ids: Sequence[int], vocab_size: int, param: str) -> None:
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise invalid_request(f"'{param}' token id {bad} is outside the vocabulary [0, {vocab_size})", param)
-
-
-def _prompt(item: str | list[int], tokenizer: Tokenizer, with_text: bool, keep_last: int | None = None) -> Prompt:
-    """A text prompt gets BOS as the tokenizer adds it. A token-id prompt is read as sent, but for a model that
-    starts every text with BOS, one is put before ids that do not start with it, unseen by the client (echo and its
-    logprobs are the tokens sent): evaluation harnesses send ids without it (lm-evaluation-harness's remote tokenizer
-    asks for no special tokens), and the model scores text it was never trained to see without it.
-
-    `with_text`: a token-id (or truncated) prompt's text is decoded, for echo and text_offset. `keep_last`
-    (truncate_prompt_tokens): only the last tokens the model would read are kept; echo then returns their text."""
-    if isinstance(item, str):
-        ids, text, hidden = tokenizer.encode(item) or _document_start(tokenizer), item, 0
-    else:
-        _check_in_vocabulary(item, tokenizer.vocab_size, "prompt")
-        bos = tokenizer.bos_id
-        added = [bos] if bos is not None and item[0] != bos and adds_bos(tokenizer) else []
-        ids, text, hidden = added + list(item), tokenizer.decode(item) if with_text else "", len(added)
-    if keep_last is not None and len(ids) > keep_last:
-        cut = len(ids) - keep_last
-        ids, hidden = ids[cut:], max(hidden - cut, 0)
-        text = tokenizer.decode(ids) if with_text else ""
-    return Prompt(ids, text, hidden=hidden)
-
-
-def adds_bos(tokenizer: Any) -> bool:
-    """Whether the tokenizer starts every encoded text with BOS (its settings, else what it does)."""
-    add_bos = getattr(tokenizer, "add_bos", None)
-    if add_bos is None:
-        add_bos = tokenizer.bos_id is not None and tokenizer.encode("a")[:1] == [tokenizer.bos_id]
-    return bool(add_bos)
-
-
-def _infill_prompt(item: str | list[int], suffix: str, tokenizer: Tokenizer) -> Prompt:
-    """The prompt is the text before the gap, `suffix` the text after it: the model's fill-in-the-middle layout
-    (tokenizer/fim.py). echo returns the prompt as sent."""
-    if not tokenizer.supports_fim:
-        raise invalid_request("'suffix' is not supported: this model has no fill-in-the-middle tokens", "suffix")
-    if not isinstance(item, str):
-        raise invalid_request("'suffix' needs the prompt as text, not token ids", "suffix")
-    return Prompt(tokenizer.encode_infill(item, suffix), item)
-
-
-def _document_start(tokenizer: Tokenizer) -> list[int]:
-    """An empty string prompt on a tokenizer that adds no BOS: start from BOS (or EOS, the document separator)."""
-    start = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id
-    if start is None:
-        raise invalid_request("'prompt' is empty and this model has no BOS/EOS token to start from", "prompt")
-    return [start]
-
-
-# --- one choice's progress ------------------------------------------------------------------------------------------
-_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CONTENT_FILTER: "content_filter"}
-
-
-@dataclass
-class Choice:
-    index: int
-    prompt: Prompt
-    echo_pending: bool
-    builder: LogprobsBuilder | None
-    return_token_ids: bool = False
-    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: top-k per prompt token
-    text: list[str] = field(default_factory=list)
-    logprobs: dict[str, list[Any]] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] = field(default_factory=list)
-    cumulative_logprob: float = 0.0
-    num_tokens: int = 0
-    sent_prompt_extras: bool = False  # streamed: the prompt's token ids and logprobs go with the choice's first chunk
-
-    def update(self, delta: SequenceDelta) -> dict[str, Any] | None:
-        """Fold in one delta; return its stream piece (None when there is nothing to show)."""
-        if delta.finish_reason is FinishReason.ABORT:
-            raise server_error("The request was aborted by the engine.")
-        self.num_tokens = max(self.num_tokens + len(delta.token_ids), delta.num_tokens)
-        self.cumulative_logprob = delta.cumulative_logprob
-        self.token_ids.extend(delta.token_ids)
-        if delta.finish_reason is not None:
-            self.finish_reason = _FINISH[delta.finish_reason]
-            self.stop_reason = delta.stop_reason
-        return self._piece(delta.text, delta.logprobs or [], delta.token_ids)
-
-    def finish_without_delta(self, max_tokens: int) -> dict[str, Any]:
-        """The engine finished the request with no final delta for this sequence: infer why."""
-        self.finish_reason = "length" if self.num_tokens >= max_tokens else "stop"
-        return self._piece("", [], []) or self.piece("", None, [])
-
-    def _piece(self, text: str, entries: list[TokenLogprob], token_ids: list[int]) -> dict[str, Any] | None:
-        fragment = self._logprobs_fragment(entries)
-        if self.echo_pending:
-            text, self.echo_pending = self.prompt.text + text, False
-        self.text.append(text)
-        if not text and not token_ids and self.finish_reason is None and not (fragment and fragment["tokens"]):
-            return None
-        return self.piece(text, fragment, token_ids)
-
-    def piece(self, text: str, logprobs: dict[str, Any] | None, token_ids: list[int]) -> dict[str, Any]:
-        """This choice's wire object for `text` (a stream piece, or the whole text with the whole token ids)."""
-        extras: dict[str, Any] = {}
-        first = not self.sent_prompt_extras
-        self.sent_prompt_extras = True
-        if self.return_token_ids:
-            extras = {"prompt_token_ids": self.prompt.token_ids} if first else {}
-            extras["token_ids"] = token_ids
-        if self.prompt_logprobs is not None and first:
-            extras["prompt_logprobs"] = vllm_prompt_logprobs(self.prompt.echoed_logprobs, self.prompt_logprobs)
-        return protocol.choice(self.index, text, logprobs, self.finish_reason, self.stop_reason, extras)
-
-    def _logprobs_fragment(self, entries: list[TokenLogprob]) -> dict[str, list[Any]] | None:
-        if self.builder is None:
-            return None
-        fragment = empty_logprobs()
-        if self.echo_pending:
-            extend_logprobs(fragment, self.builder.prompt(self.prompt.echoed_logprobs, self.prompt.text))
-        extend_logprobs(fragment, self.builder.generated(entries))
-        if self.logprobs is None:
-            self.logprobs = empty_logprobs()
-        extend_logprobs(self.logprobs, fragment)
-        return fragment
-
-    @property
-    def mean_logprob(self) -> float:
-        return finite(self.cumulative_logprob) / self.num_tokens if self.num_tokens else 0.0
 
 
 # --- one request ----------------------------------------------------------------------------------------------------
@@ -290,7 +93,9 @@ class Completion:
             ends = self.params.stop_token_ids + engine.tokenizer.fim_end_ids
             self.params = dataclasses.replace(self.params, stop_token_ids=ends)
         if request.bad_words:
-            self.params = dataclasses.replace(self.params, bad_words_ids=bad_words_ids(request.bad_words, engine))
+            self.params = dataclasses.replace(
+                self.params, bad_words_ids=bad_words_ids(request.bad_words, engine.tokenizer)
+            )
         _check_something_is_allowed(self.params, engine.tokenizer)
         if self.params.guide is not None:
             param = "structured_outputs" if request.structured_outputs is not None else "response_format"
@@ -298,8 +103,8 @@ class Completion:
                 guided.check(self.params.guide, engine.tokenizer)
             except GuideError as exc:
                 raise invalid_request(f"'{param}' cannot be used: {exc}", param) from None
-        self.limits.check_counts(len(_prompt_items(request.prompt)), self.params.n)
-        self.prompts = prepare_prompts(request, engine, self.params.max_tokens)
+        self.limits.check_counts(len(prompt_items(request.prompt)), self.params.n)
+        self.prompts = prepare_prompts(request, engine.tokenizer, engine.max_model_len, self.params.max_tokens)
         if content_filter is not None:
             check_content(request, self.prompts, engine.tokenizer, content_filter)
         self.limits.check_prompt_tokens([len(p.token_ids) for p in self.prompts])
@@ -463,21 +268,6 @@ def _ignore(prompt_index: int) -> None:
     pass
 
 
-def check_content(
-    request: CompletionRequest, prompts: list[Prompt], tokenizer: Tokenizer, content_filter: ContentFilter
-) -> None:
-    """A prompt (as text, token-id prompts decoded) or suffix that the server's content filter matches: a 400."""
-    for prompt in prompts:
-        text = prompt.text or tokenizer.decode(prompt.token_ids[prompt.hidden :])
-        if content_filter.matches(text):
-            raise invalid_request(_FILTERED.format("prompt"), "prompt", "content_filter")
-    if request.suffix and content_filter.matches(request.suffix):
-        raise invalid_request(_FILTERED.format("suffix"), "suffix", "content_filter")
-
-
-_FILTERED = "The {} contains text that this server's content filter does not allow."
-
-
 def _since(start: float | None, end: float | None) -> float | None:
     return None if start is None or end is None else end - start
 
@@ -501,18 +291,6 @@ def _check_something_is_allowed(params: SamplingParams, tokenizer: Tokenizer) ->
             "'allowed_token_ids' are all excluded by 'bad_words' or, before 'min_tokens', as end tokens",
             "allowed_token_ids",
         )
-
-
-def bad_words_ids(words: Sequence[str], engine: Engine) -> tuple[tuple[int, ...], ...]:
-    """Each bad word's tokens as it would appear at the start of the text and after a space (vLLM's rule: a
-    tokenizer spells a word differently there), without duplicates."""
-    variants: dict[tuple[int, ...], None] = {}
-    for word in words:
-        for text in (word.lstrip(), " " + word.lstrip()):
-            ids = tuple(engine.tokenizer.encode(text, add_special_tokens=False))
-            if ids:
-                variants[ids] = None
-    return tuple(variants)
 
 
 # --- running prompts concurrently -----------------------------------------------------------------------------------
