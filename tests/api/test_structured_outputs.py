@@ -3,8 +3,10 @@ so every choice's text is what the grammar allows, whatever the random weights w
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,11 +19,14 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.api.api_helpers import assert_openai_error, parse_sse, with_client
+from tests.api.api_helpers import TIMEOUT, assert_openai_error, body, get, parse_sse, post, run, with_client
+from tests.api.fake_engine import FakeEngine
 from tests.model.families import BY_NAME, write_hf_model
 from tokenmill.api.app import create_app
 from tokenmill.config import Config
+from tokenmill.engine import guided
 from tokenmill.engine.engine import AsyncEngine
+from tokenmill.engine.guided import GuideError
 
 SCHEMA = {
     "type": "object",
@@ -209,3 +214,27 @@ def test_random_regexes_are_always_matched(served: tuple[TestClient, str], patte
 def test_random_schemas_are_always_met(served: tuple[TestClient, str], schema: dict[str, Any], seed: int) -> None:
     [text] = texts(complete(served, structured_outputs={"json": schema}, seed=seed))
     jsonschema.validate(json.loads(text), schema)
+
+
+def test_the_grammar_tokenizer_is_built_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """llguidance's view of a tokenizer takes seconds to build for a large vocabulary: meanwhile other requests are
+    answered. The build below waits for /health's answer, which could never come if it ran on the event loop."""
+    building, answered = threading.Event(), threading.Event()
+
+    def slow_build(tokenizer: Any) -> Any:
+        building.set()
+        if not answered.wait(TIMEOUT):
+            raise AssertionError("/health was not answered while the grammar tokenizer was being built")
+        raise GuideError("no tokenizer.json")  # the fake's tokenizer could not drive a grammar anyway
+
+    monkeypatch.setattr(guided, "ll_tokenizer", slow_build)
+    app = create_app(FakeEngine(), Config())
+
+    async def go() -> tuple[int, int]:
+        constrained = asyncio.create_task(post(app, "/v1/completions", body(structured_outputs={"regex": "a+"})))
+        await asyncio.to_thread(building.wait, TIMEOUT)
+        health = await get(app, "/health")
+        answered.set()
+        return health.status_code, (await constrained).status_code
+
+    assert run(go) == (200, 400)

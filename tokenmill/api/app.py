@@ -33,7 +33,7 @@ from tokenmill.api.access_log import (
     request_id,
 )
 from tokenmill.api.admission import RETRY_AFTER_S, Admission
-from tokenmill.api.completions import Completion, Engine
+from tokenmill.api.completions import Completion, Engine, prepare_guides
 from tokenmill.api.errors import APIError
 from tokenmill.api.guard import RequestGuard
 from tokenmill.api.limits import RequestLimits
@@ -170,6 +170,7 @@ async def _complete(request: Request, quota: Quota, arrived: float) -> Response:
     engine = _engine(request, body.model)
     admission.check_open(engine.is_healthy())
     quota.check()  # out of requests: refused before its prompts are tokenised
+    await prepare_guides(body, engine)
     state = request.app.state
     completion = Completion(body, engine, state.limits, state.content_filter, arrived_at=arrived)
     quota.acquire(completion.token_budget)

@@ -264,6 +264,17 @@ class Completion:
         return dataclasses.replace(self.params, content_filter_context=prompt.text)
 
 
+async def prepare_guides(request: CompletionRequest, engine: Engine) -> None:
+    """A request with a constraint needs llguidance's view of the tokenizer, built once per model (seconds for a
+    large vocabulary): built on a worker thread, so the event loop keeps serving every other stream meanwhile."""
+    if request.structured_outputs is None and request.response_format is None:
+        return
+    try:
+        await asyncio.to_thread(guided.ll_tokenizer, engine.tokenizer)
+    except GuideError:
+        pass  # Completion's own check turns it into the 400 that names the field
+
+
 def _ignore(prompt_index: int) -> None:
     pass
 
