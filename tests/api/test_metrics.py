@@ -150,7 +150,9 @@ def test_requests_are_counted_by_route_template_and_status_never_by_path(client:
     assert client.get("/no/such/path").status_code == 404
     assert client.get("/v1/models/no-such-model").status_code == 404
     assert client.get("/v1/models").status_code == 200
+    assert client.get("/").status_code == 200  # the playground page: a route of its own router
     samples = scrape(client)
+    assert value(samples, "tokenmill_http_requests_total", route="/", status="200") == 1
     assert value(samples, "tokenmill_http_requests_total", route="unmatched", status="404") == 1
     assert value(samples, "tokenmill_http_requests_total", route="/v1/models/{model_id:path}", status="404") == 1
     assert value(samples, "tokenmill_http_requests_total", route="/v1/models", status="200") == 1

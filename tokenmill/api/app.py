@@ -85,7 +85,8 @@ def create_app(engines: Engine | Sequence[Engine], config: Config) -> FastAPI:
     if config.api_key:
         public = PUBLIC_PATHS | {METRICS_PATH} if config.metrics_public else PUBLIC_PATHS
         app.add_middleware(BearerAuth, keys=config.api_key, public=public)
-    app.add_middleware(AccessLog, metrics=app.state.metrics, routes=router.routes)  # last added: the outermost
+    routes = [*router.routes, *web.router.routes]  # what the access log and /metrics name a request by
+    app.add_middleware(AccessLog, metrics=app.state.metrics, routes=routes)  # last added: the outermost
     return app
 
 
