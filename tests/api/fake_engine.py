@@ -23,6 +23,7 @@ ALT_TEXTS = ("A", "A", "B", "C", "D")  # top-k alternatives; "A" twice: two ids 
 
 class CharTokenizer:
     pad_id, bos_id, eos_id = 0, 1, 2
+    eos_ids = (2,)
     pad_token, bos_token, eos_token = SPECIALS
     add_bos = True
     vocab_size = len(SPECIALS) + len(CHARS)

@@ -289,7 +289,7 @@ async def tokenizer_info(request: Request, model: str | None = None) -> dict[str
         "pad_token": getattr(tok, "pad_token", None),
         "bos_token_id": tok.bos_id,
         "eos_token_id": tok.eos_id,
-        "eos_token_ids": list(getattr(tok, "eos_ids", ()) or ([tok.eos_id] if tok.eos_id is not None else [])),
+        "eos_token_ids": list(tok.eos_ids),
         "pad_token_id": getattr(tok, "pad_id", None),
         "add_bos_token": add_bos,
         "vocab_size": tok.vocab_size,

@@ -295,7 +295,7 @@ def _check_something_is_allowed(params: SamplingParams, tokenizer: Tokenizer) ->
         return
     banned = {word[0] for word in params.bad_words_ids if len(word) == 1}
     if params.min_tokens > 0:
-        eos = () if params.ignore_eos else getattr(tokenizer, "eos_ids", (tokenizer.eos_id,))
+        eos = () if params.ignore_eos else tokenizer.eos_ids
         banned |= {*eos, *params.stop_token_ids}
     if set(params.allowed_token_ids) <= banned:
         raise invalid_request(

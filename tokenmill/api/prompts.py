@@ -19,6 +19,9 @@ class Tokenizer(Protocol):
     eos_id: int | None
 
     @property
+    def eos_ids(self) -> tuple[int, ...]: ...  # every id that ends generation (the engine's own set)
+
+    @property
     def vocab_size(self) -> int: ...
 
     @property

@@ -64,7 +64,7 @@ def ll_tokenizer(tokenizer: Any) -> LLTokenizer:
             backend = getattr(tokenizer, "backend", None)
             if backend is None:
                 raise GuideError("this model's tokenizer cannot drive structured outputs (no tokenizer.json)")
-            eos = list(getattr(tokenizer, "eos_ids", ()) or [tokenizer.eos_id])
+            eos = list(tokenizer.eos_ids)
             ll = LLTokenizer(backend.to_str(), n_vocab=tokenizer.vocab_size, eos_token=eos)
             cached = _tokenizers[key] = (tokenizer, ll)
         return cached[1]
