@@ -75,7 +75,6 @@ class FilterChecker:
     def __init__(self, content_filter: ContentFilter, context: str = "") -> None:
         self.pattern = content_filter.pattern
         self.text = context  # everything seen: the context, then the output (released and held)
-        self.context_len = len(context)
         self.released = len(context)  # the text before this index has been shown
         self.scan_from = 0  # no match can begin before this index (everything before it was cleared)
         self.matched = False
@@ -87,10 +86,10 @@ class FilterChecker:
         found = self.pattern.search(self.text, self.scan_from, partial=True)
         if found is None:  # the pattern could not even begin anywhere from here on
             return self._release(len(self.text))
-        if not found.partial:
-            self.matched = True
-            return self._release(max(found.start(), self.released))
-        self.scan_from = found.start()  # a match may still grow from here: hold it back
+        if found.partial:
+            self.scan_from = found.start()  # a match may still grow from here: hold it back
+        else:
+            self.matched = True  # the output ends where the match begins
         return self._release(max(found.start(), self.released))
 
     def flush(self) -> str:

@@ -115,7 +115,7 @@ class Sequence:
             self.add_text(self.detok.flush())
             self._show(self.stop.flush())
         if self.filter is not None:
-            self._show_filtered(self.filter.flush())
+            self._release(self.filter.flush())
             cut = self.filter.matched
             for token_id, entry, end in self.held_tokens:
                 if not cut or end <= self.shown_len:
@@ -128,13 +128,11 @@ class Sequence:
         return self.filter is not None and self.filter.matched
 
     def _show(self, text: str) -> None:
-        if self.filter is None:
-            self.pending_text += text
-            self.shown_len += len(text)
-        else:
-            self._show_filtered(self.filter.feed(text))
+        """Text past the stop strings: through the content filter, if any, to the client."""
+        self._release(self.filter.feed(text) if self.filter is not None else text)
 
-    def _show_filtered(self, text: str) -> None:
+    def _release(self, text: str) -> None:
+        """Text the client may see, and the held tokens whose text it completes (none without a filter)."""
         self.pending_text += text
         self.shown_len += len(text)
         while self.held_tokens and 0 <= self.held_tokens[0][2] <= self.shown_len:
