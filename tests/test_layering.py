@@ -21,8 +21,9 @@ ALLOWED: dict[str, set[str]] = {
     "model": {"kernels", "tokenizer", "config"},
     "engine": {"model", "kernels", "tokenizer", "config", ""},
     "api": {"engine", "config"},
-    "bench": {"model", "config"},
-    "cli": {"api", "engine", "bench", "config"},
+    "cluster": {"api", "engine", "tokenizer", "config"},
+    "bench": {"model", "config", "cluster"},
+    "cli": {"api", "engine", "bench", "config", "cluster"},
 }
 # third-party modules a part must not use: the HTTP edge never touches tensors
 FORBIDDEN_LIBRARIES = {"api": {"torch", "numpy"}}

@@ -68,6 +68,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def serve_forever(config: Config) -> int:
+    if config.on_ray:
+        return serve_replicas(config)
     from tokenmill.api.app import create_app
     from tokenmill.api.serve import serve
     from tokenmill.engine.build import ModelLoadError
@@ -84,6 +86,16 @@ def serve_forever(config: Config) -> int:
             " --served-model-name or NAME=PATH"
         )
     return serve(create_app(engines, config), config)
+
+
+def serve_replicas(config: Config) -> int:
+    """--replicas, --max-replicas or --ray-address: the same app on Ray Serve (tokenmill/cluster/, the [ray] extra)."""
+    try:
+        from tokenmill.cluster.launch import serve_on_ray
+    except ImportError as exc:
+        print(f"tokenmill serve --replicas needs Ray Serve: pip install 'tokenmill[ray]' ({exc})", file=sys.stderr)
+        return 2
+    return serve_on_ray(config)
 
 
 async def complete_once(config: Config, prompt: str, max_tokens: int, temperature: float) -> int:

@@ -78,6 +78,23 @@ class Config:
     port: int = _opt(8000, "port to listen on")
     api_key: tuple[str, ...] = _opt((), "accepted bearer key (repeatable); none: no auth")
     log_level: str = _opt("info", "uvicorn and tokenmill log level")
+    # --- replicas on Ray Serve (cluster/; the optional extra tokenmill[ray]) ---
+    replicas: int | None = _opt(
+        None,
+        "engine replicas of each model behind Ray Serve's HTTP proxy, with prefix-affinity routing; default: one"
+        " process, no Ray",
+    )
+    ray_address: str | None = _opt(
+        None, "join this Ray cluster (e.g. ray://head:10001 or auto) instead of starting a local Ray instance"
+    )
+    min_replicas: int | None = _opt(None, "with --max-replicas: Ray Serve's autoscaler keeps at least this many")
+    max_replicas: int | None = _opt(None, "autoscale each model's replicas up to this many (Ray Serve's autoscaler)")
+    target_ongoing_requests: float | None = _opt(
+        None, "autoscaling: prompts in flight per replica the autoscaler aims at; default: Ray Serve's (2)"
+    )
+    prefix_affinity: bool = _opt(
+        True, "route prompts sharing their first KV block to the same replica (off: power of two choices)"
+    )
     # --- limits: what one request may ask for, and how much may wait (see README "Robustness") ---
     max_waiting_requests: int = _opt(1024, "prompts admitted but not yet started; past it new requests get 429")
     max_waiting_tokens: int = _opt(1 << 20, "prompt tokens of the waiting prompts; past it new requests get 429")
@@ -136,11 +153,27 @@ class Config:
             text = getattr(self, name)
             if text is not None:
                 parse_rate(text, name)
+        self._check_replicas()
         count = max(len(self.model), 1)
         if len(self.served_model_name) > count:
             raise ConfigError(f"{len(self.served_model_name)} served model names for {count} model(s)")
         if self.kv_cache_weights and (len(self.kv_cache_weights) != count or min(self.kv_cache_weights) <= 0):
             raise ConfigError(f"kv_cache_weights needs {count} positive weight(s), one per model")
+
+    def _check_replicas(self) -> None:
+        autoscaling = self.min_replicas is not None or self.target_ongoing_requests is not None
+        if autoscaling and self.max_replicas is None:
+            raise ConfigError("min_replicas and target_ongoing_requests need max_replicas (they configure autoscaling)")
+        counts = [n for n in (self.replicas, self.min_replicas, self.max_replicas) if n is not None]
+        if min(counts, default=1) < 1 or (self.min_replicas or 1) > (self.max_replicas or self.min_replicas or 1):
+            raise ConfigError("replicas, min_replicas and max_replicas must be at least 1, min <= max")
+        if self.target_ongoing_requests is not None and self.target_ongoing_requests <= 0:
+            raise ConfigError("target_ongoing_requests must be positive")
+
+    @property
+    def on_ray(self) -> bool:
+        """Served by replicas on Ray Serve (cluster/) rather than by this process alone."""
+        return self.replicas is not None or self.max_replicas is not None or self.ray_address is not None
 
     @property
     def model_path(self) -> str | None:

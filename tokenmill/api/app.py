@@ -12,7 +12,7 @@ import dataclasses
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -182,10 +182,18 @@ async def _complete(request: Request, quota: Quota, arrived: float) -> Response:
         raise
     completion.admitted_at = time.monotonic()
     completion.on_started = ticket.started
+    attempts = [completion]  # a non-streamed completion whose engine was lost under it runs once more
+
+    def again() -> Completion:
+        retry = Completion(body, engine, state.limits, state.content_filter, arrived_at=arrived)
+        retry.admitted_at, retry.on_started = completion.admitted_at, ticket.started
+        attempts.append(retry)
+        return retry
 
     def finish() -> None:
         """However it ended: free its admission and refund its unused tokens, then tell the metrics, the access log
-        and the per-user usage what it did."""
+        and the per-user usage what it did (the last attempt's: a lost attempt costs the client nothing)."""
+        completion = attempts[-1]
         ticket.close()
         used = completion.usage()["total_tokens"]
         quota.finish(used)
@@ -198,12 +206,24 @@ async def _complete(request: Request, quota: Quota, arrived: float) -> Response:
     if body.stream:
         return SSEResponse(completion.frames(), on_close=finish)
     try:
-        result = await _cancel_on_disconnect(request, completion.response())
+        result = await _cancel_on_disconnect(request, _response(completion, again))
     finally:
         finish()
     if result is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     return JSONResponse(result)
+
+
+async def _response(completion: Completion, again: Callable[[], Completion]) -> dict[str, Any]:
+    """The response; if the engine replica serving it died (cluster/), nothing has reached the client yet, so it is
+    run once more, on another replica, before a 503 goes out. (A stream that has started ends with the error frame.)"""
+    try:
+        return await completion.response()
+    except APIError as exc:
+        if exc.reason != errors.ENGINE_LOST:
+            raise
+    logger.warning("completion %s lost its engine replica; running it again", completion.meta.id)
+    return await again().response()
 
 
 @router.get("/v1/models")
@@ -223,18 +243,35 @@ def _model_card(request: Request, engine: Engine) -> dict[str, Any]:
 
 
 @router.get("/health")
-async def health(request: Request) -> dict[str, str]:
+async def health(request: Request) -> dict[str, Any]:
+    """200 while every model can serve; behind replicas (cluster/) also each model's replica count, and "degraded"
+    while one has fewer replicas running than it should (it still serves)."""
     if _admission(request).draining:
         raise errors.service_unavailable("The server is shutting down.", RETRY_AFTER_S)
-    sick = [name for name, engine in _engines(request).items() if not engine.is_healthy()]
+    engines = _engines(request)
+    await _refresh(engines.values())
+    sick = [name for name, engine in engines.items() if not engine.is_healthy()]
     if sick:
         raise errors.service_unavailable(f"The engine of {', '.join(sick)} is not healthy.", RETRY_AFTER_S)
-    return {"status": "ok"}
+    replicas = {name: report() for name, engine in engines.items() if (report := getattr(engine, "health", None))}
+    if not replicas:
+        return {"status": "ok"}
+    degraded = any(r["replicas"] < r["target_replicas"] for r in replicas.values())
+    return {"status": "degraded" if degraded else "ok", "models": replicas}
+
+
+async def _refresh(engines: Iterable[Engine]) -> None:
+    """Engines whose state lives elsewhere (replicas, cluster/) fetch it before a route reports it."""
+    for engine in engines:
+        refresh = getattr(engine, "refresh", None)
+        if refresh is not None:
+            await refresh()
 
 
 @router.get(METRICS_PATH, include_in_schema=False)
 async def metrics(request: Request) -> Response:
     """Prometheus metrics (api/metrics.py): text format, or OpenMetrics when the scraper asks for it."""
+    await _refresh(_engines(request).values())
     body, content_type = _metrics(request).exposition(request.headers.get("accept"))
     return Response(body, media_type=content_type)
 
@@ -243,7 +280,9 @@ async def metrics(request: Request) -> Response:
 async def stats(request: Request, model: str | None = None) -> dict[str, Any]:
     """The engine's counters (steps, batching, KV blocks): what the load tests assert on. `?model=`: whose (default:
     the first model's)."""
-    snapshot = getattr(_engine(request, model), "stats", None)
+    engine = _engine(request, model)
+    await _refresh([engine])
+    snapshot = getattr(engine, "stats", None)
     if snapshot is None:
         raise errors.not_found("This engine keeps no stats.")
     value = snapshot()

@@ -25,6 +25,7 @@ from tokenmill.api.choice import Choice
 from tokenmill.api.errors import (
     REQUEST_TIMEOUT,
     APIError,
+    engine_lost,
     invalid_request,
     request_timeout,
     server_error,
@@ -176,6 +177,8 @@ class Completion:
 
     def _apply(self, prompt_index: int, output: RequestOutput) -> list[dict[str, Any]]:
         if output.error is not None:
+            if output.lost:
+                raise engine_lost()
             if not self.engine.is_healthy():
                 raise service_unavailable("The engine stopped while serving this request; please retry.", RETRY_AFTER_S)
             raise server_error(f"The engine failed on this request: {output.error}")

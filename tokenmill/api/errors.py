@@ -12,6 +12,7 @@ from typing import Any
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
 REQUEST_TIMEOUT = "request_timeout"  # the code of a completion stopped at --request-timeout-s
+ENGINE_LOST = "engine_lost"  # the reason of a 503 for a request whose engine replica died under it (it may be retried)
 
 
 class APIError(Exception):
@@ -86,6 +87,13 @@ def server_error(message: str = "The server had an error while processing your r
 def service_unavailable(message: str, retry_after_s: int | None = None) -> APIError:
     headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
     return APIError(503, message, SERVER_ERROR, None, "service_unavailable", headers)
+
+
+def engine_lost() -> APIError:
+    """The engine replica serving the request died (cluster/): the client may send it again, as Retry-After says."""
+    error = service_unavailable("The engine replica serving this request was lost; please retry.", 1)
+    error.reason = ENGINE_LOST
+    return error
 
 
 def rate_limited(message: str, limit: str, retry_after_s: int | None, reason: str | None = None) -> APIError:

@@ -49,6 +49,9 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob] | None = None  # set once, on the first output, when asked for
     finished: bool = False  # every sequence of the request is done
     error: str | None = None  # the request failed inside the engine; its sequences are aborted
+    # with error: the engine itself went away (a replica's process died), not the request's fault; a client that has
+    # been sent nothing of it yet may be served afresh
+    lost: bool = False
 
 
 @dataclass(frozen=True)
