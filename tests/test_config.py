@@ -33,6 +33,8 @@ COMPANIONS: dict[str, dict[str, Any]] = {
     "quantization": {"dtype": "bfloat16"},
     "served_model_name": {"model": TWO_MODELS},
     "kv_cache_weights": {"model": TWO_MODELS},
+    "min_replicas": {"max_replicas": 9},  # autoscaling settings need its upper bound
+    "target_ongoing_requests": {"max_replicas": 9},
 }
 VALUES: dict[str, Any] = {name: "90/min" for name in RATE_LIMITS}  # str fields whose text Config checks
 

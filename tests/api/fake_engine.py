@@ -89,6 +89,8 @@ class FakeEngine:
     hang_at_step: int | None = None  # wait forever at this step (the client has to give up)
     abort_at_step: int | None = None  # finish every sequence with FinishReason.ABORT at this step
     omit_final_deltas: bool = False  # finish the request without the sequences' final deltas
+    lose_at_step: int | None = None  # the engine is lost (a replica died) at this step: an output marked `lost`
+    losses_left: int = 1  # how many generate calls lose_at_step applies to
     neg_inf_alternative: bool = False  # one top-k alternative has logprob -inf
     tokenizer: CharTokenizer = field(default_factory=CharTokenizer)
     requests: list[tuple[str, list[int], SamplingParams]] = field(default_factory=list)
@@ -123,6 +125,13 @@ class FakeEngine:
                     await asyncio.Event().wait()
                 if step == self.raise_at_step:
                     raise RuntimeError("fake engine crashed")
+                if step == self.lose_at_step and self.losses_left > 0:
+                    self.losses_left -= 1
+                    yield RequestOutput(
+                        request_id, [], prompt_token_ids, error="replica lost", finished=True, lost=True
+                    )
+                    done = True
+                    return
                 if step == self.error_at_step:
                     yield RequestOutput(request_id, [], prompt_token_ids, error="fake engine failure", finished=True)
                     done = True
@@ -198,3 +207,18 @@ class FakeEngine:
             logprob = None if i == 0 else -2.0
             entries.append(TokenLogprob(token_id, text, logprob, [] if i == 0 else self._alternatives(-2.0, k)))
         return entries
+
+
+@dataclass
+class ReplicatedEngine(FakeEngine):
+    """A FakeEngine that reports replicas as cluster/'s RemoteEngine does, refreshed before /health answers."""
+
+    replicas: int = 2
+    target_replicas: int = 2
+    refreshes: int = 0
+
+    async def refresh(self) -> None:
+        self.refreshes += 1
+
+    def health(self) -> dict[str, int]:
+        return {"replicas": self.replicas, "target_replicas": self.target_replicas}

@@ -69,13 +69,17 @@ def _other_value(field: dataclasses.Field[Any]) -> Any:
         return {"log_level": "debug", "host": "0.0.0.0", "log_format": "json"}.get(field.name, default + "-other")
     if field.name.startswith("rate_limit_"):
         return "10/min"
-    return 7 if field.name in ("max_model_len", "num_kv_blocks", "threads") else "/elsewhere/model.gguf"
+    counts = ("max_model_len", "num_kv_blocks", "threads", "replicas", "min_replicas", "max_replicas")
+    return 7 if field.name in (*counts, "target_ongoing_requests") else "/elsewhere/model.gguf"
+
+
+COMPANIONS = {"min_replicas": {"max_replicas": 8}, "target_ongoing_requests": {"max_replicas": 8}}  # valid only so
 
 
 @pytest.mark.parametrize(
     "field", [f for f in dataclasses.fields(Config) if f.name not in OUTPUT_FIELDS], ids=lambda f: f.name
 )
 def test_nothing_else_changes_the_fingerprint(field: dataclasses.Field[Any]) -> None:
-    changed = Config(**{field.name: _other_value(field)})
+    changed = Config(**{field.name: _other_value(field), **COMPANIONS.get(field.name, {})})
     assert getattr(changed, field.name) != getattr(Config(), field.name)
     assert system_fingerprint(SOURCE, changed) == system_fingerprint(SOURCE, Config())

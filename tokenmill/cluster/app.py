@@ -70,6 +70,14 @@ def build_app(config: Config) -> Application:
     return ingress.bind(config, *engines)
 
 
+def from_args(args: dict[str, Any]) -> Application:
+    """The application from a Serve config file's `args` (KubeRay's RayService, `serve run`, `serve deploy`): the
+    same settings as the flags, by their field names (`model`, `replicas`, `api_key`, ...; lists for repeatable
+    ones). Listening host and port are the config file's `http_options`, not these."""
+    settings: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in args.items()}
+    return build_app(Config(**settings))
+
+
 def _engine_deployment(config: Config, index: int, threads: int) -> Any:
     router = {  # RequestRouterConfig's fields
         "request_router_class": ROUTER,

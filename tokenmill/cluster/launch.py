@@ -5,8 +5,8 @@ the single-process server. `--ray-address` joins an existing cluster instead (`r
 `ray start --address=HEAD:6379` on the others, or a KubeRay RayCluster: docs/scaling.md); its Serve proxy then listens
 where that cluster's Serve was started (or on --host/--port if this is the first Serve application on it).
 
-SIGTERM or SIGINT deletes the application, which gives each replica `--shutdown-grace-s` to finish what it runs, then
-stops Serve and, if this process started it, Ray.
+SIGTERM or SIGINT deletes the application, which gives each replica `--shutdown-grace-s` to finish what it runs; if
+this process started Ray, Serve and Ray stop too (a cluster it joined keeps running).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ def serve_on_ray(config: Config) -> int:
             pass
         log.info("stopping: each replica has %.0f s to finish what it runs", config.shutdown_grace_s)
         serve.delete(APP_NAME)
-        serve.shutdown()
+        if started_ray:  # on a cluster we joined, Serve (and its other applications) stays up
+            serve.shutdown()
     finally:
         if started_ray:
             ray.shutdown()

@@ -1,0 +1,75 @@
+"""Consistent hashing with bounded loads on a prompt's first KV block (tokenmill/cluster/affinity.py)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from tokenmill.cluster.affinity import HashRing, bounded_order, load_bound, prefix_key, two_choices
+
+REPLICAS = ["r0", "r1", "r2", "r3"]
+
+
+def test_the_key_is_the_first_block_alone() -> None:
+    first = list(range(100, 116))
+    assert prefix_key(first[:15], 16) is None  # no whole block: nothing a cache could share
+    assert prefix_key(first + [1, 2], 16) == prefix_key(first + [9, 9, 9], 16) == prefix_key(first, 16)
+    assert prefix_key([7, *first[1:]], 16) != prefix_key(first, 16)
+    assert prefix_key(first, 0) is None
+
+
+def test_every_replica_appears_once_in_every_order() -> None:
+    ring = HashRing(REPLICAS)
+    rng = random.Random(0)
+    for key in (rng.getrandbits(64) for _ in range(50)):
+        assert sorted(ring.order(key)) == REPLICAS
+    assert HashRing([]).order(123) == []
+
+
+def test_keys_spread_evenly_over_the_replicas() -> None:
+    ring = HashRing(REPLICAS)
+    rng = random.Random(1)
+    firsts = Counter(ring.order(rng.getrandbits(64))[0] for _ in range(4000))
+    assert set(firsts) == set(REPLICAS)
+    assert all(700 <= n <= 1300 for n in firsts.values()), firsts  # 1000 each, within a few per cent of even
+
+
+def test_a_replica_leaving_moves_only_its_own_keys() -> None:
+    rng = random.Random(2)
+    keys = [rng.getrandbits(64) for _ in range(2000)]
+    before, after = HashRing(REPLICAS), HashRing(["r0", "r1", "r3"])
+    for key in keys:
+        owner = before.order(key)[0]
+        if owner != "r2":
+            assert after.order(key)[0] == owner
+        else:
+            assert after.order(key)[0] == before.order(key)[1]  # its keys go to the next replica on the ring
+
+
+def test_a_replica_at_the_load_bound_passes_the_prompt_on() -> None:
+    order = ["r2", "r0", "r3", "r1"]
+    assert bounded_order(order, {}) == order
+    assert load_bound(total_load=8, replicas=4) == 3  # ceil(1.25 x 9 / 4)
+    loads = {"r2": 3, "r0": 3, "r3": 1, "r1": 1}
+    assert bounded_order(order, loads) == ["r3", "r2", "r0", "r1"]
+    assert bounded_order(order, {"r2": 2, "r0": 3, "r3": 2, "r1": 1}) == order  # under the bound: it stays
+
+
+def test_a_hot_prefix_never_puts_more_than_the_bound_on_one_replica() -> None:
+    ring, loads = HashRing(REPLICAS), dict.fromkeys(REPLICAS, 0)
+    key = prefix_key(list(range(16)), 16)
+    assert key is not None
+    for _ in range(200):  # every request the same prefix, none finishing
+        bound = load_bound(sum(loads.values()), len(loads))
+        chosen = bounded_order(ring.order(key), loads)[0]
+        loads[chosen] += 1
+        assert loads[chosen] <= bound
+    assert max(loads.values()) == load_bound(199, 4)  # the ring's first replicas fill to c x the mean, no further
+
+
+def test_two_choices_are_two_different_replicas() -> None:
+    rng = random.Random(3)
+    for _ in range(20):
+        pair = two_choices(REPLICAS, rng)
+        assert len(pair) == 2 and len(set(pair)) == 2 and set(pair) <= set(REPLICAS)
+    assert two_choices(["only"], rng) == ["only"]

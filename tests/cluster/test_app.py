@@ -1,0 +1,87 @@
+"""The Serve application as built from the flags (no Ray cluster needed to build it), and the single-process path
+staying free of Ray."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+from ray.serve.deployment import Application
+
+from tokenmill.cluster.app import ROUTER, build_app, engine_name, from_args, replica_threads, target_replicas
+from tokenmill.config import Config, ConfigError
+
+
+def deployments(config: Config | Application) -> tuple[Any, list[Any]]:
+    """The ingress deployment and the engine deployments it is bound to."""
+    app = build_app(config) if isinstance(config, Config) else config
+    ingress = app._bound_deployment
+    return ingress, [arg._bound_deployment for arg in ingress.init_args[1:]]
+
+
+def test_replicas_of_one_model_behind_one_ingress() -> None:
+    ingress, (engine,) = deployments(Config(model=("m.gguf",), replicas=2, threads=1))
+    assert (ingress.name, ingress.num_replicas, ingress.ray_actor_options["num_cpus"]) == ("ingress", 1, 0)
+    assert (engine.name, engine.num_replicas, engine.ray_actor_options["num_cpus"]) == ("engine", 2, 1)
+    router = engine._deployment_config.request_router_config
+    assert router.request_router_class == ROUTER
+    assert router.request_router_kwargs == {"block_size": 16, "affinity": True}
+    assert engine.init_args[0].threads == 1  # the replica's own config pins its threads
+
+
+def test_every_model_gets_its_own_deployment() -> None:
+    _, engines = deployments(Config(model=("a=x.gguf", "b=y.gguf"), replicas=3, prefix_affinity=False))
+    assert [e.name for e in engines] == [engine_name(0), engine_name(1)] == ["engine", "engine-1"]
+    assert [e.init_args[0].served_model_name for e in engines] == [("a",), ("b",)]
+    assert not engines[0]._deployment_config.request_router_config.request_router_kwargs["affinity"]
+
+
+def test_autoscaling_settings_pass_through_to_ray_serve() -> None:
+    config = Config(replicas=2, min_replicas=1, max_replicas=4, target_ongoing_requests=3.0, threads=1)
+    _, (engine,) = deployments(config)
+    scaling = engine._deployment_config.autoscaling_config
+    assert (scaling.min_replicas, scaling.initial_replicas, scaling.max_replicas) == (1, 2, 4)
+    assert scaling.target_ongoing_requests == 3.0
+    assert target_replicas(config) == 1  # degraded means below what the autoscaler must keep
+
+
+def test_each_replica_gets_its_share_of_the_cores() -> None:
+    assert replica_threads(Config(replicas=2), cpus=8) == 4
+    assert replica_threads(Config(replicas=3), cpus=2) == 1
+    assert replica_threads(Config(max_replicas=4), cpus=16) == 4
+    assert replica_threads(Config(replicas=2, threads=3), cpus=16) == 3
+    assert target_replicas(Config(replicas=5)) == 5
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"replicas": 0}, {"min_replicas": 2}, {"target_ongoing_requests": 2.0}, {"min_replicas": 3, "max_replicas": 2}],
+)
+def test_bad_replica_settings_fail_at_start(settings: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError):
+        Config(**settings)
+
+
+def test_ray_is_wanted_only_when_asked_for() -> None:
+    assert not Config().on_ray
+    assert Config(replicas=1).on_ray and Config(max_replicas=2).on_ray and Config(ray_address="auto").on_ray
+
+
+def test_the_single_process_server_never_imports_ray() -> None:
+    code = (
+        "import sys\n"
+        "from tokenmill.cli import main\n"
+        "from tokenmill.api.app import create_app\n"
+        "from tokenmill.engine.engine import AsyncEngine\n"
+        "assert not [m for m in sys.modules if m == 'ray' or m.startswith('ray.')], 'ray was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_a_serve_config_file_builds_the_same_application() -> None:
+    args = {"model": ["a=x.gguf"], "replicas": 2, "threads": 1, "api_key": ["k"]}
+    ingress, (engine,) = deployments(from_args(args))
+    assert ingress.init_args[0] == Config(model=("a=x.gguf",), replicas=2, threads=1, api_key=("k",))
+    assert engine.num_replicas == 2 and engine.init_args[0].served_model_name == ("a",)

@@ -1,0 +1,37 @@
+"""`tokenmill serve --ray-address` joining a Ray cluster started beforehand, as on a cluster's head node (the `ray`
+tier, in a private network namespace). Its own module: `ray stop` ends every Ray process of the namespace."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.api.server_process import free_port
+from tests.cluster.ray_server import serve_replicas, skip_unless_private_network
+
+pytestmark = [pytest.mark.ray, skip_unless_private_network()]
+
+MODEL = "tiny"
+
+
+def test_serve_joins_a_ray_cluster_that_is_already_running(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`ray start --head` first (as on a cluster's head node), then `tokenmill serve --ray-address` onto it."""
+    port = free_port()
+    ray_cli = str(Path(sys.executable).with_name("ray"))
+    head = [ray_cli, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2"]
+    head += ["--include-dashboard=false", "--disable-usage-stats"]
+    subprocess.run(head, check=True, timeout=120, capture_output=True)
+    try:
+        flags = ("--ray-address", f"127.0.0.1:{port}", "--replicas", "1", "--served-model-name", MODEL)
+        with serve_replicas(tiny_model_dir, tmp_path, *flags) as server:
+            response = httpx.post(
+                server.base_url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=60
+            )
+            assert response.status_code == 200, response.text
+            assert httpx.get(server.base_url + "/health", timeout=60).json()["models"][MODEL]["replicas"] == 1
+    finally:
+        subprocess.run([ray_cli, "stop", "--force"], check=False, timeout=120, capture_output=True)

@@ -1,0 +1,75 @@
+"""PrefixAffinityRouter's choices, on Ray Serve's own router machinery with stand-in replicas (no Ray cluster)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
+
+from tokenmill.cluster.router import PrefixAffinityRouter
+
+DEPLOYMENT = DeploymentID("engine", "tokenmill")
+SHARED = list(range(200, 216))  # one whole block
+
+
+def replicas(n: int) -> list[Any]:
+    return [SimpleNamespace(replica_id=ReplicaID(f"r{i}", DEPLOYMENT)) for i in range(n)]
+
+
+def pending(ids: list[int]) -> Any:
+    return SimpleNamespace(args=["request-id", ids, None], routing_context=SimpleNamespace(should_backoff=False))
+
+
+def choose(router: PrefixAffinityRouter, candidates: list[Any], request: Any) -> list[list[str]]:
+    ranks = asyncio.run(router.choose_replicas(candidates, request))
+    return [[r.replica_id.unique_id for r in rank] for rank in ranks]
+
+
+def make_router(**kwargs: Any) -> PrefixAffinityRouter:
+    async def build() -> PrefixAffinityRouter:  # Ray's router wants a running event loop
+        router = PrefixAffinityRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(**kwargs)
+        return router
+
+    return asyncio.run(build())
+
+
+def test_prompts_sharing_a_first_block_are_ranked_alike() -> None:
+    router, four = make_router(block_size=16), replicas(4)
+    first = choose(router, four, pending(SHARED + [1, 2, 3]))
+    assert [len(rank) for rank in first] == [1, 1, 1, 1]  # one replica a rank: the first that accepts takes it
+    assert sorted(r for (r,) in first) == ["r0", "r1", "r2", "r3"]
+    for tail in ([9], [4, 5, 6, 7], list(range(40))):
+        assert choose(router, four, pending(SHARED + tail)) == first
+    others = {choose(router, four, pending([i, *SHARED[1:]]))[0][0] for i in range(40)}
+    assert len(others) > 1  # different first blocks go to different replicas
+
+
+def test_a_replica_over_the_load_bound_is_passed_over() -> None:
+    router, four = make_router(block_size=16), replicas(4)
+    favourite = choose(router, four, pending(SHARED))[0][0]
+    favoured = next(r for r in four if r.replica_id.unique_id == favourite)
+    router.replica_queue_len_cache.update(favoured.replica_id, 5)  # bound: ceil(1.25 x 6 / 4) = 2
+    ranked = choose(router, four, pending(SHARED))
+    assert ranked[0][0] != favourite and [favourite] in ranked
+
+
+def test_a_prompt_without_a_whole_block_goes_by_two_choices() -> None:
+    router, four = make_router(block_size=16), replicas(4)
+    request = pending(SHARED[:10])
+    ranks = choose(router, four, request)
+    assert len(ranks) == 1 and len(ranks[0]) == 2 and len(set(ranks[0])) == 2
+    assert request.routing_context.should_backoff  # else Ray's router retries at once, in a tight loop
+
+
+def test_affinity_off_is_two_choices_for_every_prompt() -> None:
+    router = make_router(block_size=16, affinity=False)
+    assert all(len(choose(router, replicas(4), pending(SHARED))[0]) == 2 for _ in range(5))
+
+
+def test_calls_without_prompt_ids_are_routed_too() -> None:
+    router = make_router()
+    assert len(choose(router, replicas(3), SimpleNamespace(args=[], routing_context=SimpleNamespace()))[0]) == 2
+    assert choose(router, [], pending(SHARED)) == []
