@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from tokenmill.bench.load import LoadSettings, bench_url, discover, make_client
 from tokenmill.bench.report import format_value, write_json
@@ -54,6 +55,13 @@ PHASE_TIMEOUT_S = 300  # no new request of a phase starts after this
 WARMUP = 3
 PREFIX_MAX_TOKENS = 8
 MAX_REPEATS = 64
+CPU_PARTS = {
+    "proxy": "ProxyActor",
+    "ingress": "ServeReplica:tokenmill:ingress",
+    "engine": "tokenmill:engine",
+    "other": "",
+}
+IDLE_S = 3.0  # how long the parts' idle CPU is sampled, to take it off the requests' figure
 REEXEC_MARK = "TOKENMILL_REPLICA_BENCH_UNSHARED"
 
 
@@ -112,7 +120,10 @@ def columns(concurrency: Sequence[int]) -> list[tuple[str, str, str]]:
     """(header, figure, unit for report.format_value); figures are the keys of `flat_row`."""
     top = max(concurrency)
     cols = [("tiny p50 ms", "p50_s", "ms"), ("tiny p90 ms", "p90_s", "ms"), ("router +ms", "overhead_s", "ms")]
-    cols += [("hit", "hit_rate", "%"), ("prefix req/s", "req_s", ""), ("single tok/s", "decode_tok_s", "")]
+    cols += [(f"{part} CPU ms/req", f"cpu_ms_{part}", "") for part in CPU_PARTS]
+    cols += [("hit", "hit_rate", "%"), ("prefix req/s", "req_s", ""), ("hit, k prompts", "batched_hit_rate", "%")]
+    cols += [(f"{part} CPU ms/tok", f"token_cpu_ms_{part}", "") for part in ("proxy", "ingress")]
+    cols += [("single tok/s", "decode_tok_s", "")]
     cols += [(f"c{c} tok/s", f"c{c}_agg_tok_s", "") for c in concurrency]
     return [*cols, (f"TTFT p50 ms c{top}", f"c{top}_ttft_p50_s", "ms")]
 
@@ -123,6 +134,7 @@ def flat_row(results: dict[str, dict[str, Any]], key: str) -> dict[str, float | 
         **result.get("overhead", {}),
         "overhead_s": overhead_s(results, key),
         **{k: result.get("prefix", {}).get(k) for k in ("hit_rate", "req_s")},
+        "batched_hit_rate": result.get("batched", {}).get("hit_rate"),
         **result.get("decode", {}),
     }
 
@@ -159,23 +171,68 @@ def _ratio(value: float | None, base: float | None) -> str:
 
 
 # --- measuring one server ---------------------------------------------------------------------------------------
-async def tiny_latencies(client: httpx.AsyncClient, url: str, model: str, count: int) -> dict[str, float | None]:
+async def tiny_latencies(
+    client: httpx.AsyncClient, url: str, model: str, count: int, server_pid: int | None
+) -> dict[str, float | None]:
+    """Latencies of one-token requests, and the CPU each costs per part of the server (from its process tree)."""
     body = {"model": model, "prompt": TINY_PROMPT, "max_tokens": 1, "temperature": 0}
     latencies, deadline = [], time.perf_counter() + PHASE_TIMEOUT_S
+    cpu_before: dict[str, float] = {}
+    timed_from = time.perf_counter()
     for i in range(WARMUP + count):
         if time.perf_counter() > deadline:
             break
+        if i == WARMUP:
+            cpu_before = cpu_by_part(server_pid)
+            timed_from = time.perf_counter()
         start = time.perf_counter()
         ok = (await client.post(f"{url}/v1/completions", json=body)).status_code == 200
         if ok and i >= WARMUP:
             latencies.append(time.perf_counter() - start)
-    return latency_figures(latencies)
+    cpu_after, timed_s = cpu_by_part(server_pid), time.perf_counter() - timed_from
+    idle = await idle_cpu_rate(server_pid)
+    per_request = {  # what the requests cost beyond what the parts burn idle (Ray's polling loops)
+        f"cpu_ms_{part}": 1e3 * (cpu_after[part] - cpu_before.get(part, 0.0) - idle[part] * timed_s) / n
+        for part in cpu_after
+        if (n := len(latencies))
+    }
+    return {**latency_figures(latencies), **per_request}
 
 
-async def sized_prefixes(client: httpx.AsyncClient, url: str, groups: int, tokens: int) -> list[str]:
+async def idle_cpu_rate(pid: int | None) -> dict[str, float]:
+    """CPU seconds per second each part uses with no request in flight."""
+    before = cpu_by_part(pid)
+    await asyncio.sleep(IDLE_S)
+    after = cpu_by_part(pid)
+    return {part: (after[part] - before[part]) / IDLE_S for part in after}
+
+
+def cpu_by_part(pid: int | None) -> dict[str, float]:
+    """CPU seconds used so far by the server's processes, by part: Serve's proxy, the ingress, the engine replicas,
+    and the rest (the server's own process: all of it for one process; Ray's GCS, raylet and driver otherwise)."""
+    parts = dict.fromkeys(CPU_PARTS, 0.0)
+    if pid is None:
+        return parts
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return parts
+    for process in processes:
+        try:
+            name = " ".join(process.cmdline()) or process.name()
+            times = process.cpu_times()
+        except psutil.Error:
+            continue
+        part = next((p for p, mark in CPU_PARTS.items() if mark and mark in name), "other")
+        parts[part] += times.user + times.system
+    return parts
+
+
+async def sized_prefixes(client: httpx.AsyncClient, url: str, groups: int, tokens: int, first: int = 0) -> list[str]:
     """Each group's prefix with its sentence repeated until /tokenize counts at least `tokens` tokens."""
     prefixes = []
-    for group in range(groups):
+    for group in range(first, first + groups):
         for repeats in range(1, MAX_REPEATS + 1):
             text = prefix_text(group, repeats)
             response = await client.post(f"{url}/tokenize", json={"prompt": text})
@@ -186,15 +243,16 @@ async def sized_prefixes(client: httpx.AsyncClient, url: str, groups: int, token
 
 
 async def prefix_workload(
-    client: httpx.AsyncClient, url: str, model: str, prompts: list[tuple[int, str]], clients: int
+    client: httpx.AsyncClient, url: str, model: str, requests: list[list[str]], clients: int
 ) -> dict[str, Any]:
+    """Each request's prompts in one completion (`usage` adds them up), from `clients` concurrent clients."""
     usages: list[dict[str, Any]] = []
-    failed, queue, deadline = 0, iter(prompts), time.perf_counter() + PHASE_TIMEOUT_S
+    failed, queue, deadline = 0, iter(requests), time.perf_counter() + PHASE_TIMEOUT_S
 
     async def client_loop() -> None:
         nonlocal failed
         while time.perf_counter() < deadline and (item := next(queue, None)) is not None:
-            body = {"model": model, "prompt": item[1], "max_tokens": PREFIX_MAX_TOKENS, "temperature": 0}
+            body = {"model": model, "prompt": item, "max_tokens": PREFIX_MAX_TOKENS, "temperature": 0}
             response = await client.post(f"{url}/v1/completions", json=body)
             if response.status_code == 200:
                 usages.append(response.json()["usage"])
@@ -206,16 +264,29 @@ async def prefix_workload(
     return prefix_figures(usages, failed, time.perf_counter() - start)
 
 
-async def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
+async def measure(url: str, args: argparse.Namespace, server_pid: int | None) -> dict[str, Any]:
     settings = LoadSettings(max_tokens=args.max_tokens, concurrency=tuple(args.concurrency))
     async with make_client(dataclasses.replace(settings, concurrency=(args.prefix_clients,))) as client:
         model, _ = await discover(client, url)
-        overhead = await tiny_latencies(client, url, model, args.requests_overhead)
+        overhead = await tiny_latencies(client, url, model, args.requests_overhead, server_pid)
         prefixes = await sized_prefixes(client, url, args.groups, args.prefix_tokens)
-        prompts = build_workload(prefixes, args.prompts, args.seed)
+        prompts = [[prompt] for _, prompt in build_workload(prefixes, args.prompts, args.seed)]
         prefix = await prefix_workload(client, url, model, prompts, args.prefix_clients)
+        # the same again on groups of their own (caches cold for them), several prompts to a request
+        others = await sized_prefixes(client, url, args.groups, args.prefix_tokens, first=args.groups)
+        flat = [prompt for _, prompt in build_workload(others, args.prompts, args.seed + 1)]
+        k = args.prompts_per_request
+        batched = await prefix_workload(client, url, model, [flat[i : i + k] for i in range(0, len(flat), k)], 1)
+    cpu_before, start = cpu_by_part(server_pid), time.perf_counter()
     decode = await bench_url(url, settings)  # last: the workload meets cold prefix caches
-    return {"overhead": overhead, "prefix": prefix, "decode": flat_figures(decode["single"], decode["levels"])}
+    cpu_after, decode_s = cpu_by_part(server_pid), time.perf_counter() - start
+    figures = flat_figures(decode["single"], decode["levels"])
+    tokens = sum(level["completion_tokens"] for level in decode["levels"]) + sum(decode["single"]["completion_tokens"])
+    idle = await idle_cpu_rate(server_pid)
+    for part in cpu_after:  # each streamed token's CPU per part, beyond the idle burn
+        used = cpu_after[part] - cpu_before[part] - idle[part] * decode_s
+        figures[f"token_cpu_ms_{part}"] = 1e3 * used / tokens if tokens else None
+    return {"overhead": overhead, "prefix": prefix, "batched": batched, "decode": figures}
 
 
 # --- one system after another -----------------------------------------------------------------------------------
@@ -262,7 +333,7 @@ def run_system(key: str, args: argparse.Namespace, log_dir: Path) -> dict[str, A
     try:
         start_s = server.start(START_TIMEOUT_S)
         wait_ok(server.url, START_TIMEOUT_S)
-        return {"label": label, "start_s": start_s, **asyncio.run(measure(server.url, args))}
+        return {"label": label, "start_s": start_s, **asyncio.run(measure(server.url, args, server.pid))}
     except (ServerStartError, httpx.HTTPError) as exc:
         print(f"{label}: failed: {exc}\n{server.log_tail()}", file=sys.stderr)
         return {"label": label, "error": str(exc)}
@@ -280,6 +351,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prefix-tokens", type=int, default=64, help="least tokens of each group's prefix")
     parser.add_argument("--prefix-clients", type=int, default=4, help="concurrent clients of the workload")
     parser.add_argument("--seed", type=int, default=0, help="the workload's shuffle")
+    parser.add_argument(
+        "--prompts-per-request", type=int, default=4, help="prompts of one request in the several-prompts workload"
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="decode levels")
     parser.add_argument("--max-tokens", type=int, default=64, help="decode tokens per request")
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")

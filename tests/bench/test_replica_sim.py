@@ -9,8 +9,10 @@ from tokenmill.bench.replica_sim_cluster import Capacity, SimConfig, simulate
 from tokenmill.bench.replica_sim_model import EngineLimits, PrefixCache, ServiceTimes
 from tokenmill.bench.replica_sim_trace import Workload, block_hashes
 
-# Small runs: 16 prompt groups whose prefixes (16 blocks each) do not all fit one replica's 128-block cache.
+# Small runs: 16 prompt groups whose prefixes (16 blocks each) do not all fit one replica's 128-block cache, behind a
+# proxy fast enough that the replicas bind (the measured default's would from two replicas on).
 SMALL = SimConfig(
+    times=ServiceTimes(s_router=0.002),
     workload=Workload(groups=16),
     engine=EngineLimits(cache_blocks=128),
     requests_per_replica=150,

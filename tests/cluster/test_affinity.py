@@ -49,10 +49,17 @@ def test_a_replica_leaving_moves_only_its_own_keys() -> None:
 def test_a_replica_at_the_load_bound_passes_the_prompt_on() -> None:
     order = ["r2", "r0", "r3", "r1"]
     assert bounded_order(order, {}) == order
-    assert load_bound(total_load=8, replicas=4) == 3  # ceil(1.25 x 9 / 4)
+    assert load_bound(total_load=8, replicas=4, free_load=0) == 3  # ceil(1.25 x 9 / 4)
     loads = {"r2": 3, "r0": 3, "r3": 1, "r1": 1}
-    assert bounded_order(order, loads) == ["r3", "r2", "r0", "r1"]
-    assert bounded_order(order, {"r2": 2, "r0": 3, "r3": 2, "r1": 1}) == order  # under the bound: it stays
+    assert bounded_order(order, loads, free_load=0) == ["r3", "r2", "r0", "r1"]
+    assert bounded_order(order, {"r2": 2, "r0": 3, "r3": 2, "r1": 1}, free_load=0) == order  # under it: it stays
+
+
+def test_a_few_requests_in_flight_never_move_a_prefix() -> None:
+    order = ["r1", "r0"]
+    assert load_bound(total_load=3, replicas=2) == 8  # ceil(1.25 x 4 / 2) = 3, but a batching engine takes 8
+    assert bounded_order(order, {"r1": 7, "r0": 0}) == order
+    assert bounded_order(order, {"r1": 8, "r0": 0}) == ["r0", "r1"]
 
 
 def test_a_hot_prefix_never_puts_more_than_the_bound_on_one_replica() -> None:
@@ -60,11 +67,13 @@ def test_a_hot_prefix_never_puts_more_than_the_bound_on_one_replica() -> None:
     key = prefix_key(list(range(16)), 16)
     assert key is not None
     for _ in range(200):  # every request the same prefix, none finishing
-        bound = load_bound(sum(loads.values()), len(loads))
-        chosen = bounded_order(ring.order(key), loads)[0]
+        bound = load_bound(sum(loads.values()), len(loads), free_load=0)
+        chosen = bounded_order(ring.order(key), loads, free_load=0)[0]
         loads[chosen] += 1
         assert loads[chosen] <= bound
-    assert max(loads.values()) == load_bound(199, 4)  # the ring's first replicas fill to c x the mean, no further
+    assert max(loads.values()) == load_bound(
+        199, 4, free_load=0
+    )  # the ring's first replicas fill to c x the mean, no further
 
 
 def test_two_choices_are_two_different_replicas() -> None:

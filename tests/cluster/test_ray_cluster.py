@@ -18,8 +18,11 @@ pytestmark = [pytest.mark.ray, skip_unless_private_network()]
 MODEL = "tiny"
 
 
-def test_serve_joins_a_ray_cluster_that_is_already_running(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_serve_joins_a_ray_cluster_that_is_already_running(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`ray start --head` first (as on a cluster's head node), then `tokenmill serve --ray-address` onto it."""
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # both sides with Ray's token auth (~/.ray/auth_token), as docs say
     port = free_port()
     ray_cli = str(Path(sys.executable).with_name("ray"))
     head = [ray_cli, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2"]

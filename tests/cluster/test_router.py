@@ -51,7 +51,7 @@ def test_a_replica_over_the_load_bound_is_passed_over() -> None:
     router, four = make_router(block_size=16), replicas(4)
     favourite = choose(router, four, pending(SHARED))[0][0]
     favoured = next(r for r in four if r.replica_id.unique_id == favourite)
-    router.replica_queue_len_cache.update(favoured.replica_id, 5)  # bound: ceil(1.25 x 6 / 4) = 2
+    router.replica_queue_len_cache.update(favoured.replica_id, 12)  # bound: max(ceil(1.25 x 13 / 4), 8) = 8
     ranked = choose(router, four, pending(SHARED))
     assert ranked[0][0] != favourite and [favourite] in ranked
 

@@ -18,14 +18,15 @@ from tokenmill.bench.replica_sim_trace import Arrival, option
 
 @dataclass(frozen=True)
 class ServiceTimes:
-    """Seconds of service, to be replaced by measured values. The step costs are fitted to the README's in-process
-    figures for the 270M model (scripts/engine_speed.py: 12.8 ms a step at batch 1, ~29 ms at batch 16); the prefill
-    cost per token and the proxy's cost per request are estimates until they are measured too."""
+    """Seconds of service. The defaults were measured on the 2-core development VM for the packaged 270M model: the
+    engine's by scripts/replica_service_times.py --threads 2, the ingress's cost of a request of 64 streamed tokens
+    (~20 ms + ~1.9 ms a token of CPU) by scripts/replica_bench.py; docs/scaling.md has the runs. Measure again for
+    another model or machine and pass the figures as flags."""
 
-    t_fixed: float = option(0.0117, "seconds of an engine step whatever its batch (weights read, LM head, overhead)")
-    t_per_seq: float = option(0.00108, "seconds each decoding sequence adds to a step")
-    t_per_prefill_token: float = option(0.0005, "seconds each prefilled (uncached) prompt token adds to a step")
-    s_router: float = option(0.002, "seconds of serial proxy + ingress + routing CPU per request")
+    t_fixed: float = option(0.0148, "seconds of an engine step whatever its batch (weights read, LM head, overhead)")
+    t_per_seq: float = option(0.00193, "seconds each decoding sequence adds to a step")
+    t_per_prefill_token: float = option(0.000726, "seconds each prefilled (uncached) prompt token adds to a step")
+    s_router: float = option(0.142, "seconds of serial proxy + ingress + routing CPU per request")
 
     def __post_init__(self) -> None:
         if min(self.t_fixed, self.t_per_seq, self.t_per_prefill_token) < 0 or self.s_router <= 0:

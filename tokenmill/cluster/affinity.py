@@ -4,14 +4,14 @@ Consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam, 2018)
 `POINTS_PER_REPLICA` points of a ring of 64-bit hashes; a prompt's key, the hash of the token ids of its first
 KV-cache block, falls between two points, and the replicas met walking clockwise from there are its order of
 preference. The first of them whose load is under the bound takes the prompt. The bound, ceil(c x (load + 1) / n)
-for n replicas carrying `load` requests together, keeps any replica under c times its fair share: a hot prefix
-spills to the next replica on the ring instead of queueing behind itself. A replica that joins or leaves moves only
+for n replicas carrying `load` requests together (but never under DEFAULT_FREE_LOAD), keeps any replica under c
+times its fair share: a hot prefix spills to the next replica on the ring instead of queueing behind itself. A replica that joins or leaves moves only
 the keys next to its own points, so the other replicas' caches stay warm.
 
 The key is the first block only because that is the unit the engine's prefix cache shares (engine/kv_cache.py: a
 block is cached by the hash of its tokens and every block before it), so two prompts can share cached KV only if
 their first blocks are equal; a prompt shorter than one block has nothing to share and goes to the less loaded of two replicas at random.
-Pure Python, no Ray: the router (cluster/router.py) and the capacity simulation (bench/replica_sim.py) both use it.
+Pure Python, no Ray: the router (cluster/router.py) and the capacity simulation (bench/replica_sim_cluster.py) both use it.
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ from collections.abc import Iterable, Mapping, Sequence
 
 POINTS_PER_REPLICA = 64  # virtual nodes: the spread of keys over n replicas is within a few per cent of even
 DEFAULT_LOAD_FACTOR = 1.25  # c: the paper's example value; 1 would be perfect balance and no affinity under load
+# A replica may always carry this many requests, whatever the others carry: a batching engine runs a few sequences
+# for little more than the price of one, so spilling them to another replica would only lose the cache. Without it
+# the bound is tight at low load (3 in flight on 2 replicas: ceil(1.25 x 4 / 2) = 3) and hot prefixes spread.
+DEFAULT_FREE_LOAD = 8
 
 
 def prefix_key(token_ids: Sequence[int], block_size: int) -> int | None:
@@ -60,17 +64,23 @@ class HashRing:
         return list(seen)
 
 
-def load_bound(total_load: int, replicas: int, load_factor: float = DEFAULT_LOAD_FACTOR) -> int:
-    """The most requests one replica may carry, counting the one being placed: ceil(c x (total + 1) / n)."""
-    return math.ceil(load_factor * (total_load + 1) / max(replicas, 1))
+def load_bound(
+    total_load: int, replicas: int, load_factor: float = DEFAULT_LOAD_FACTOR, free_load: int = DEFAULT_FREE_LOAD
+) -> int:
+    """The most requests one replica may carry, counting the one being placed: ceil(c x (total + 1) / n), and never
+    fewer than `free_load`."""
+    return max(math.ceil(load_factor * (total_load + 1) / max(replicas, 1)), free_load)
 
 
 def bounded_order(
-    order: Sequence[str], loads: Mapping[str, int], load_factor: float = DEFAULT_LOAD_FACTOR
+    order: Sequence[str],
+    loads: Mapping[str, int],
+    load_factor: float = DEFAULT_LOAD_FACTOR,
+    free_load: int = DEFAULT_FREE_LOAD,
 ) -> list[str]:
     """`order` with its first replica under the load bound moved to the front (the rest keep their ring order): the
     replica the prompt goes to, then where to try if that one refuses it."""
-    bound = load_bound(sum(loads.get(r, 0) for r in order), len(order), load_factor)
+    bound = load_bound(sum(loads.get(r, 0) for r in order), len(order), load_factor, free_load)
     chosen = next((r for r in order if loads.get(r, 0) < bound), None)
     if chosen is None:  # cannot happen while c >= 1 (someone is at or below the mean), but a bad c must not fail
         return list(order)
