@@ -15,7 +15,7 @@ from tokenmill.engine.sampling import SamplingParams
 
 
 def engine(handle: FakeHandle, target: int = 2) -> RemoteEngine:
-    info = ReplicaInfo("tiny", "fp_x", 256, 16, tiny_tokenizer(), None)
+    info = ReplicaInfo("tiny", "fp_x", 256, tiny_tokenizer(), None)
     return RemoteEngine(handle, info, target)  # type: ignore[arg-type]
 
 

@@ -43,7 +43,6 @@ class RemoteEngine:
         self.model_name = info.model_name
         self.system_fingerprint = info.system_fingerprint
         self.max_model_len = info.max_model_len
-        self.block_size = info.block_size
         self.description: EngineDescription | None = info.description
         self._tokenizer = info.tokenizer
         self.target_replicas = target_replicas  # below it /health says degraded

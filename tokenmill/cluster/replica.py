@@ -39,7 +39,6 @@ class ReplicaInfo:
     model_name: str
     system_fingerprint: str
     max_model_len: int
-    block_size: int  # tokens per KV block: the router's key is the first block's ids
     tokenizer: Tokenizer
     description: EngineDescription | None
 
@@ -84,7 +83,6 @@ class EngineReplica:
         configure_logging(config.log_level, config.log_format)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.engine = AsyncEngine.from_config(config)
-        self.block_size = config.block_size
         self.steps = StepLog()
         self.engine.add_step_observer(self.steps.observe)
         await self.engine.start()
@@ -102,7 +100,6 @@ class EngineReplica:
             engine.model_name,
             engine.system_fingerprint,
             engine.max_model_len,
-            self.block_size,
             engine.tokenizer,
             engine.description,
         )
