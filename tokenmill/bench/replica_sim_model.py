@@ -20,13 +20,13 @@ from tokenmill.bench.replica_sim_trace import Arrival, option
 class ServiceTimes:
     """Seconds of service. The defaults were measured on the 2-core development VM for the packaged 270M model: the
     engine's by scripts/replica_service_times.py --threads 2, the ingress's cost of a request of 64 streamed tokens
-    (~20 ms + ~1.9 ms a token of CPU) by scripts/replica_bench.py; docs/scaling.md has the runs. Measure again for
+    (~14 ms + ~1.9 ms a token of CPU) by scripts/replica_bench.py; docs/scaling.md has the runs. Measure again for
     another model or machine and pass the figures as flags."""
 
     t_fixed: float = option(0.0148, "seconds of an engine step whatever its batch (weights read, LM head, overhead)")
     t_per_seq: float = option(0.00193, "seconds each decoding sequence adds to a step")
     t_per_prefill_token: float = option(0.000726, "seconds each prefilled (uncached) prompt token adds to a step")
-    s_router: float = option(0.142, "seconds of serial proxy + ingress + routing CPU per request")
+    s_router: float = option(0.136, "seconds of serial proxy + ingress + routing CPU per request")
 
     def __post_init__(self) -> None:
         if min(self.t_fixed, self.t_per_seq, self.t_per_prefill_token) < 0 or self.s_router <= 0:
