@@ -189,22 +189,21 @@ async def tiny_latencies(
         ok = (await client.post(f"{url}/v1/completions", json=body)).status_code == 200
         if ok and i >= WARMUP:
             latencies.append(time.perf_counter() - start)
-    cpu_after, timed_s = cpu_by_part(server_pid), time.perf_counter() - timed_from
-    idle = await idle_cpu_rate(server_pid)
-    per_request = {  # what the requests cost beyond what the parts burn idle (Ray's polling loops)
-        f"cpu_ms_{part}": 1e3 * (cpu_after[part] - cpu_before.get(part, 0.0) - idle[part] * timed_s) / n
-        for part in cpu_after
-        if (n := len(latencies))
-    }
+    used = await cpu_beyond_idle(server_pid, cpu_before, time.perf_counter() - timed_from)
+    n = len(latencies)
+    per_request = {f"cpu_ms_{part}": 1e3 * seconds / n for part, seconds in used.items() if n}
     return {**latency_figures(latencies), **per_request}
 
 
-async def idle_cpu_rate(pid: int | None) -> dict[str, float]:
-    """CPU seconds per second each part uses with no request in flight."""
-    before = cpu_by_part(pid)
-    await asyncio.sleep(IDLE_S)
+async def cpu_beyond_idle(pid: int | None, before: dict[str, float], elapsed_s: float) -> dict[str, float]:
+    """CPU seconds each part used since `before` (`elapsed_s` ago), less what it burns idle over that time (Ray's
+    polling loops), measured right after over IDLE_S with no request in flight."""
     after = cpu_by_part(pid)
-    return {part: (after[part] - before[part]) / IDLE_S for part in after}
+    await asyncio.sleep(IDLE_S)
+    idle = cpu_by_part(pid)
+    return {
+        part: after[part] - before.get(part, 0.0) - (idle[part] - after[part]) / IDLE_S * elapsed_s for part in after
+    }
 
 
 def cpu_by_part(pid: int | None) -> dict[str, float]:
@@ -279,13 +278,11 @@ async def measure(url: str, args: argparse.Namespace, server_pid: int | None) ->
         batched = await prefix_workload(client, url, model, [flat[i : i + k] for i in range(0, len(flat), k)], 1)
     cpu_before, start = cpu_by_part(server_pid), time.perf_counter()
     decode = await bench_url(url, settings)  # last: the workload meets cold prefix caches
-    cpu_after, decode_s = cpu_by_part(server_pid), time.perf_counter() - start
+    used = await cpu_beyond_idle(server_pid, cpu_before, time.perf_counter() - start)
     figures = flat_figures(decode["single"], decode["levels"])
     tokens = sum(level["completion_tokens"] for level in decode["levels"]) + sum(decode["single"]["completion_tokens"])
-    idle = await idle_cpu_rate(server_pid)
-    for part in cpu_after:  # each streamed token's CPU per part, beyond the idle burn
-        used = cpu_after[part] - cpu_before[part] - idle[part] * decode_s
-        figures[f"token_cpu_ms_{part}"] = 1e3 * used / tokens if tokens else None
+    for part, seconds in used.items():  # each streamed token's CPU per part
+        figures[f"token_cpu_ms_{part}"] = 1e3 * seconds / tokens if tokens else None
     return {"overhead": overhead, "prefix": prefix, "batched": batched, "decode": figures}
 
 

@@ -68,13 +68,13 @@ def test_each_prompt_is_a_call_of_its_own_to_ray() -> None:
     assert len(set(handle.internal_ids)) == 2 and "" not in handle.internal_ids
 
 
-def snapshot(replica: str, tokens: int, steps: int) -> ReplicaSnapshot:
+def snapshot(replica: str, tokens: int, steps: int, dropped: int = 0) -> ReplicaSnapshot:
     stats = EngineStats(steps=steps, tokens_computed=tokens, max_seqs_in_step=steps, num_running=1)
-    return ReplicaSnapshot(replica, 100, stats, [StepReport(0.01, 1, 1)] * steps)
+    return ReplicaSnapshot(replica, 100, stats, [StepReport(0.01, 1, 1)] * steps, dropped)
 
 
 def test_a_refresh_adds_up_every_replica_and_replays_its_steps() -> None:
-    handle = FakeHandle(snapshots=[snapshot("b", 30, 3), RuntimeError("gone"), snapshot("a", 12, 2)])
+    handle = FakeHandle(snapshots=[snapshot("b", 30, 3, dropped=4), RuntimeError("gone"), snapshot("a", 12, 2)])
     remote, seen = engine(handle, target=3), []
     remote.add_step_observer(seen.append)
     assert remote.is_healthy()  # before any refresh: the replica that connect() reached
@@ -82,7 +82,7 @@ def test_a_refresh_adds_up_every_replica_and_replays_its_steps() -> None:
     assert [s.replica for s in remote.snapshots] == ["a", "b"]
     stats = remote.stats()
     assert (stats.tokens_computed, stats.steps, stats.num_running, stats.max_seqs_in_step) == (42, 5, 2, 3)
-    assert len(seen) == 5
+    assert len(seen) == 5 and remote.steps_dropped == 4
     assert remote.health() == {"replicas": 2, "target_replicas": 3}
 
 

@@ -50,9 +50,8 @@ def post(server: Server, body: dict[str, Any], headers: dict[str, str] | None = 
     return httpx.post(server.base_url + "/v1/completions", json=body, headers=headers, timeout=TIMEOUT_S)
 
 
-def stream(server: Server, body: dict[str, Any]) -> list[Any]:
-    """A streamed completion's frames: each JSON payload, then the string "[DONE]"."""
-    frames: list[Any] = []
+def frames(server: Server, body: dict[str, Any]) -> Iterator[Any]:
+    """A streamed completion's frames as they arrive: each JSON payload, then the string "[DONE]"."""
     with httpx.stream(
         "POST", server.base_url + "/v1/completions", json={**body, "stream": True}, headers=AUTH, timeout=TIMEOUT_S
     ) as response:
@@ -60,8 +59,11 @@ def stream(server: Server, body: dict[str, Any]) -> list[Any]:
         for line in response.iter_lines():
             if line.startswith("data: "):
                 payload = line.removeprefix("data: ")
-                frames.append(payload if payload == "[DONE]" else json.loads(payload))
-    return frames
+                yield payload if payload == "[DONE]" else json.loads(payload)
+
+
+def stream(server: Server, body: dict[str, Any]) -> list[Any]:
+    return list(frames(server, body))
 
 
 def comparable(response: httpx.Response) -> dict[str, Any]:
@@ -175,17 +177,12 @@ def test_killing_a_replica_under_load_loses_nothing_that_had_not_started(replica
 
     def streamed(i: int) -> None:
         body = {"model": MODEL, "prompt": f"{i} hello {i} world " * 5, "max_tokens": 220, "temperature": 0}
-        frames: list[Any] = []
-        with httpx.stream(
-            "POST", replicas.base_url + "/v1/completions", json={**body, "stream": True}, headers=AUTH, timeout=60
-        ) as response:
-            for line in response.iter_lines():
-                if line.startswith("data: "):
-                    payload = line.removeprefix("data: ")
-                    frames.append(payload if payload == "[DONE]" else json.loads(payload))
-                    if len(frames) == 1:
-                        started.wait()
-        results[f"stream-{i}"] = frames
+        seen: list[Any] = []
+        for frame in frames(replicas, body):
+            seen.append(frame)
+            if len(seen) == 1:
+                started.wait()
+        results[f"stream-{i}"] = seen
 
     def whole(i: int) -> None:
         body = {"model": MODEL, "prompt": f"{i} of the {i} capital " * 5, "max_tokens": 120, "temperature": 0}

@@ -34,12 +34,16 @@ HEALTH_CHECK_PERIOD_S = 2.0  # how soon Ray Serve notices a replica whose engine
 INGRESS_MAX_ONGOING = 100_000  # the ingress takes every HTTP request; its own admission (api/admission.py) bounds them
 
 
+def most_replicas(config: Config) -> int:
+    """The most replicas of one model that may run: --max-replicas when autoscaled, else --replicas."""
+    return config.max_replicas or config.replicas or 1
+
+
 def replica_threads(config: Config, cpus: int | None = None) -> int:
     """Each replica's intra-op threads: --threads, else this host's cores shared by the replicas it may hold."""
     if config.threads:
         return config.threads
-    replicas = config.max_replicas or config.replicas or 1
-    return max(1, (cpus or os.cpu_count() or 1) // replicas)
+    return max(1, (cpus or os.cpu_count() or 1) // most_replicas(config))
 
 
 def target_replicas(config: Config) -> int:

@@ -21,7 +21,7 @@ import ray
 from ray import serve
 
 from tokenmill.api.banner import log_banner, url_of
-from tokenmill.cluster.app import APP_NAME, build_app, engine_name, replica_threads, target_replicas
+from tokenmill.cluster.app import APP_NAME, build_app, engine_name, most_replicas, replica_threads, target_replicas
 from tokenmill.cluster.remote_engine import RemoteEngine
 from tokenmill.config import Config
 from tokenmill.engine.content_filter import ContentFilter
@@ -57,7 +57,7 @@ def _init_ray(config: Config) -> bool:
         return False
     cores = os.cpu_count() or 1
     threads = replica_threads(config, cores)
-    wanted = threads * (config.max_replicas or config.replicas or 1) * max(len(config.model), 1)
+    wanted = threads * most_replicas(config) * len(config.per_model())
     if wanted > cores:
         log.warning("%d replica threads on %d cores: the replicas will share cores and slow each other", wanted, cores)
     ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=max(cores, wanted))
@@ -66,7 +66,7 @@ def _init_ray(config: Config) -> bool:
 
 def _banner(config: Config) -> None:
     async def describe() -> list[RemoteEngine]:
-        models = range(max(len(config.model), 1))
+        models = range(len(config.per_model()))
         handles = [serve.get_deployment_handle(engine_name(i), APP_NAME) for i in models]
         return [await RemoteEngine.connect(handle, target_replicas(config)) for handle in handles]
 

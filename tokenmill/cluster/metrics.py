@@ -28,12 +28,13 @@ class ReplicaCollector:
         return self._families()
 
     def collect(self) -> Iterable[Metric]:
-        running, target, retries, info, tokens, *gauges = families = self._families()
+        running, target, retries, dropped, info, tokens, *gauges = families = self._families()
         for engine in self.engines:
             model = engine.model_name
             running.add_metric([model], engine.running_replicas)
             target.add_metric([model], engine.target_replicas)
             retries.add_metric([model], engine.retries)
+            dropped.add_metric([model], engine.steps_dropped)
             for snapshot in engine.snapshots:
                 labels = [model, snapshot.replica]
                 info.add_metric([*labels, str(snapshot.pid)], 1)
@@ -52,6 +53,11 @@ class ReplicaCollector:
             CounterMetricFamily(
                 "tokenmill_replica_retries",
                 "Prompts sent again because their replica died before answering",
+                labels=per_model,
+            ),
+            CounterMetricFamily(
+                "tokenmill_replica_steps_dropped",
+                "Engine steps a replica could not keep until a scrape (missing from the step histograms)",
                 labels=per_model,
             ),
             GaugeMetricFamily(

@@ -51,6 +51,7 @@ class RemoteEngine:
         self._refreshing: asyncio.Future[None] | None = None
         self._observers: list[Callable[[StepReport], None]] = []
         self.retries = 0  # prompts sent again after their replica died before answering
+        self.steps_dropped = 0  # steps the replicas could not keep for a snapshot (unscraped for too long)
 
     @classmethod
     async def connect(cls, handle: DeploymentHandle, target_replicas: int) -> RemoteEngine:
@@ -90,6 +91,7 @@ class RemoteEngine:
         self.snapshots = sorted((r for r in results if isinstance(r, ReplicaSnapshot)), key=lambda s: s.replica)
         self.refreshed = True
         for snapshot in self.snapshots:
+            self.steps_dropped += snapshot.steps_dropped
             for report in snapshot.steps:
                 for observe in self._observers:
                     observe(report)

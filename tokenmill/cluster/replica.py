@@ -1,6 +1,6 @@
 """EngineReplica: one Ray Serve replica running one tokenmill engine (AsyncEngine) for one model.
 
-Nothing here speaks HTTP: the ingress (cluster/ingress.py) parses, tokenises and checks every request, then calls
+Nothing here speaks HTTP: the ingress (cluster/app.py's Ingress) parses, tokenises and checks every request, then calls
 `generate` through a deployment handle with the prompt's token ids, which is what the prefix-affinity router
 (cluster/router.py) routes on. A replica is the single-process engine unchanged: its own KV cache and prefix cache,
 its own worker thread, `config.threads` intra-op threads (the launcher gives each replica its share of the cores).
