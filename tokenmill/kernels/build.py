@@ -39,7 +39,16 @@ import platformdirs
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = [
-    HERE / name for name in ("fused.c", "int8_matmul.c", "gguf_matmul.c", "paged_attention.c", "argmax.c", "gelu.c")
+    HERE / name
+    for name in (
+        "fused.c",
+        "int8_matmul.c",
+        "gguf_matmul.c",
+        "paged_attention.c",
+        "argmax.c",
+        "gelu.c",
+        "decoder_layer.c",
+    )
 ]
 KERNELS_H = HERE / "kernels.h"  # the prototypes and limits C and Python share
 HEADERS = [KERNELS_H, HERE / "bf16.h", HERE / "avx512_common.h", HERE / "avx2_common.h"]
@@ -71,6 +80,8 @@ SIGNATURES: dict[str, tuple[CType | None, list[CType]]] = {
     "argmax_rows": (_INT, [_PTR, _I64, _I64, _PTR, _INT]),
     "gelu_mul_available": (_INT, []),
     "gelu_mul": (None, [_PTR, _I64, _I64, _I64, _PTR, _INT]),
+    "decoder_layer_plan_bytes": (_I64, []),
+    "gemma3_layer": (_INT, [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT]),
 }
 _warned: set[str] = set()
 

@@ -51,4 +51,28 @@ int argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out, int threa
 int gelu_mul_available(void);
 void gelu_mul(const uint16_t *gate_up, int64_t stride, int64_t rows, int64_t f, uint16_t *out, int threads);
 
+/* decoder_layer.c: a Gemma 3 layer on the bf16 + GGUF path in one call. Its plan mirrors ops.DecoderLayerPlan (a
+ * ctypes Structure, the same fields in the same order; decoder_layer_plan_bytes lets Python check the size). A
+ * projection is GgufLinear's parts: part i writes columns [at, at + n) of the (rows, n) output. */
+#define GGUF_LINEAR_MAX_PARTS 3
+typedef struct {
+    int64_t type;
+    const uint8_t *packed;
+    int64_t n, at;
+} gguf_part;
+typedef struct {
+    int64_t k, n, parts;
+    gguf_part part[GGUF_LINEAR_MAX_PARTS];
+} gguf_linear;
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, ffn;
+    float eps, scale, softcap, unused;
+    const float *input_norm, *post_attention_norm, *pre_feedforward_norm, *post_feedforward_norm, *qk_factor;
+    gguf_linear qkv, o, gate_up, down;
+} decoder_layer_plan;
+int64_t decoder_layer_plan_bytes(void);
+int gemma3_layer(const decoder_layer_plan *p, const uint16_t *x, uint16_t *out, int64_t t, const uint16_t *cos,
+                 const uint16_t *signed_sin, uint16_t *k_cache, uint16_t *v_cache, const int64_t *slot_mapping,
+                 const int64_t *slots, const int64_t *offset, const int64_t *count, int threads);
+
 #endif

@@ -8,6 +8,7 @@ Our C kernels serve the bf16 hot path where eager torch is slow on a CPU, mostly
   exact int32 sums (see its header).
 - paged_attention.c: attention over the paged cache, one call per layer in place of dozens of ops.
 - gelu.c: the gated GELU in one pass; argmax.c: greedy decoding's argmax in one vectorised pass.
+- decoder_layer.c: a whole Gemma 3 layer on the bf16 + GGUF path (the kernels above, back to back) in one call.
 The README's Performance section has what each gains. Each computes the arithmetic of the torch path it replaces.
 
 build.py compiles them on first use and caches the build. `library()` is that library, or None where it could not be
@@ -33,6 +34,7 @@ MAX_ATTENTION_HEAD_DIM = _LIMITS["MAX_ATTENTION_HEAD_DIM"]  # paged_attention's 
 INT8_MATMUL_TILE = _LIMITS["INT8_MATMUL_TILE"]  # int8_matmul's output columns per tile
 INT8_MATMUL_K_MULTIPLE = _LIMITS["INT8_MATMUL_K_MULTIPLE"]  # its input width must be a multiple of this
 GGUF_XBLOCK_BYTES = _LIMITS["GGUF_XBLOCK_BYTES"]  # gguf_matmul's quantised activations: bytes per 32 inputs
+GGUF_LINEAR_MAX_PARTS = _LIMITS["GGUF_LINEAR_MAX_PARTS"]  # a projection's parts in decoder_layer.c's plan
 
 
 @cache
@@ -259,3 +261,96 @@ def gguf_matmul_into(x: torch.Tensor, out: torch.Tensor, ggml_type: int, packed:
         raise MemoryError(f"gguf_matmul: no memory to quantise ({m}, {k}) inputs")
     if status:
         raise ValueError(f"gguf_matmul: ggml type {ggml_type} with rows of {k} is not a layout this kernel takes")
+
+
+class GgufPart(ctypes.Structure):
+    """kernels.h's gguf_part: one part of a GgufLinear, writing columns [at, at + n) of its output."""
+
+    _fields_ = [("type", ctypes.c_int64), ("packed", ctypes.c_void_p), ("n", ctypes.c_int64), ("at", ctypes.c_int64)]
+
+
+class GgufProjection(ctypes.Structure):
+    """kernels.h's gguf_linear: a (rows, k) @ (k, n) projection made of parts."""
+
+    _fields_ = [
+        ("k", ctypes.c_int64),
+        ("n", ctypes.c_int64),
+        ("parts", ctypes.c_int64),
+        ("part", GgufPart * GGUF_LINEAR_MAX_PARTS),
+    ]
+
+
+class DecoderLayerPlan(ctypes.Structure):
+    """kernels.h's decoder_layer_plan: what gemma3_layer needs of a layer that does not change between steps. The
+    tensors it points into must outlive it (the layer that builds it keeps them)."""
+
+    _fields_ = [
+        ("hidden", ctypes.c_int64),
+        ("heads", ctypes.c_int64),
+        ("kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("ffn", ctypes.c_int64),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("softcap", ctypes.c_float),
+        ("unused", ctypes.c_float),
+        ("input_norm", ctypes.c_void_p),
+        ("post_attention_norm", ctypes.c_void_p),
+        ("pre_feedforward_norm", ctypes.c_void_p),
+        ("post_feedforward_norm", ctypes.c_void_p),
+        ("qk_factor", ctypes.c_void_p),
+        ("qkv", GgufProjection),
+        ("o", GgufProjection),
+        ("gate_up", GgufProjection),
+        ("down", GgufProjection),
+    ]
+
+
+def decoder_layer_available() -> bool:
+    """gemma3_layer's kernels are all compiled in (the GGUF matmul, paged attention, the gated GELU), and the C
+    plan's layout is the one ops.DecoderLayerPlan describes."""
+    return (
+        gguf_matmul_available()
+        and paged_attention_available()
+        and gelu_mul_available()
+        and _lib().decoder_layer_plan_bytes() == ctypes.sizeof(DecoderLayerPlan)
+    )
+
+
+def gemma3_layer(
+    plan: DecoderLayerPlan,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    slot_mapping: torch.Tensor,
+    slots: torch.Tensor,
+    offset: torch.Tensor,
+    count: torch.Tensor,
+) -> torch.Tensor:
+    """One Gemma 3 decoder layer (decoder_layer.c): x (T, hidden) bf16 → the layer's output, a new (T, hidden)
+    tensor; this step's K and V written to the cache; cos / signed_sin (T, head_dim) bf16, contiguous; row r attends
+    to slots[offset[r] : offset[r] + count[r]]."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    k_cache, v_cache = kv_cache
+    status = _lib().gemma3_layer(
+        ctypes.addressof(plan),
+        x.data_ptr(),
+        out.data_ptr(),
+        x.shape[0],
+        cos.data_ptr(),
+        signed_sin.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slot_mapping.data_ptr(),
+        slots.data_ptr(),
+        offset.data_ptr(),
+        count.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if status == -2:
+        raise MemoryError(f"gemma3_layer: no memory for the scratch of {x.shape[0]} rows")
+    if status:
+        raise ValueError("gemma3_layer: a plan whose shapes disagree, or a kernel that is not compiled in")
+    return out

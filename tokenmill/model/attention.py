@@ -89,6 +89,9 @@ class KeyLists:
     offset: torch.Tensor  # (T,)
     count: torch.Tensor  # (T,)
 
+    def astuple(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.slots, self.offset, self.count
+
 
 def plan_key_lists(meta: AttentionMetadata, window: int | None) -> KeyLists:
     offset: list[int] = []

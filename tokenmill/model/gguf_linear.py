@@ -69,6 +69,12 @@ class GgufLinear(nn.Module):
     def _part(self, i: int) -> torch.Tensor:
         return self.get_buffer(f"part{i}")
 
+    def kernel_parts(self) -> list[tuple[int, torch.Tensor, int, int]]:
+        """Each part as the C kernel takes it: (ggml type, regrouped blocks, its rows, its first output column)."""
+        if not self.kernel:
+            raise ValueError("this GgufLinear keeps the file's blocks for the torch path: no kernel parts")
+        return [(t, self._part(i), n, at) for i, (_, t, n, at) in enumerate(self._calls)]
+
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, self.k)

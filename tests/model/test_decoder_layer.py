@@ -1,0 +1,62 @@
+"""A Gemma 3 layer on the file's GGUF blocks in one C call (kernels/decoder_layer.c) computes what the modules compute,
+bit for bit: prefill, chunked prefill beside decodes, sliding windows, the paged cache it writes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.engine.tiny import run_all, tiny_model
+from tests.model.test_gguf_native import IDS, MIXED, native_model
+from tests.tiny_model import tiny_tokenizer, write_tiny_gguf
+from tokenmill.config import Config
+from tokenmill.engine.build import build_engine_core
+from tokenmill.engine.sampling import SamplingParams
+from tokenmill.kernels import ops
+from tokenmill.model.gemma3 import Gemma3DecoderLayer
+
+pytestmark = pytest.mark.skipif(
+    ops.library() is None or not ops.decoder_layer_available(), reason="the C decoder layer is not built here"
+)
+
+PROMPTS = [[2, 5, 9], [2, *range(4, 30)], [2, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7], [2, 11]]  # one past the chunk budget
+
+
+def test_every_layer_of_a_gguf_model_takes_the_c_path_and_its_logits_equal_the_modules(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = native_model(write_tiny_gguf(tmp_path / "mixed.gguf", quantize=MIXED), tmp_path / "cache")
+    assert all(isinstance(layer, Gemma3DecoderLayer) and layer.c_plan() is not None for layer in model.model.layers)
+    in_c = model.forward_dense(IDS)
+    monkeypatch.setattr(Gemma3DecoderLayer, "c_layer", False)
+    assert torch.equal(model.forward_dense(IDS), in_c)
+
+
+def _greedy_run(model: torch.nn.Module) -> dict[str, list[object]]:
+    """Four requests at once through the engine: chunked prefill beside decodes, prompts past the sliding window."""
+    config = Config(dtype="bfloat16", block_size=4, num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=16)
+    core = build_engine_core(model, tiny_tokenizer(), config)  # type: ignore[arg-type]
+    for i, prompt in enumerate(PROMPTS):
+        core.add_request(f"r{i}", prompt, SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True))
+    return {
+        rid: [(d.token_ids, [(t.logprob, t.top) for t in d.logprobs or []]) for o in outs for d in o.deltas]
+        for rid, outs in run_all(core).items()
+    }
+
+
+def test_engine_steps_in_c_equal_the_modules_token_for_token_and_logprob_for_logprob(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write_tiny_gguf(tmp_path / "mixed.gguf", quantize=MIXED)
+    in_c = _greedy_run(native_model(path, tmp_path / "cache"))
+    monkeypatch.setattr(Gemma3DecoderLayer, "c_layer", False)
+    modules = _greedy_run(native_model(path, tmp_path / "cache"))
+    assert sum(len(ids) for deltas in in_c.values() for ids, _ in deltas) == 12 * len(PROMPTS)  # type: ignore[misc]
+    assert in_c == modules
+
+
+def test_a_layer_without_gguf_blocks_keeps_the_modules() -> None:
+    model = tiny_model()
+    assert all(isinstance(layer, Gemma3DecoderLayer) and layer.c_plan() is None for layer in model.model.layers)
