@@ -1,16 +1,33 @@
-"""Test weights in GGUF's quantised blocks, for the torch reference (test_gguf_quant.py) and the C kernel."""
+"""Test weights in GGUF's quantised blocks, for the torch reference (test_gguf_quant.py) and the C kernel, and a
+tiny GGUF model run on its own blocks."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
+from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.gguf_quant import row_bytes
+from tokenmill.model.linear import prepare_linears
+from tokenmill.model.loading.loader import load_model_files
+from tokenmill.model.registry import build_model
 
 TYPES = [T.Q4_0, T.Q5_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
 N = 48
+MIXED = [T.Q5_0, T.Q8_0, T.Q4_0]  # taken in turn: q, k and v of a layer get different types, as in real files
+IDS = torch.tensor([2, 5, 9, 14, 3, 7, 11, 4, 8, 6])
+
+
+def native_model(path: Path, cache: Path) -> CausalLM:
+    """A GGUF file's model in bf16 on the file's own blocks (`--quantization gguf`)."""
+    loaded = load_model_files(str(path), str(cache), torch.bfloat16, "gguf")
+    model = build_model(loaded.config, loaded.state_dict, quantized=loaded.quantized)
+    prepare_linears(model, "gguf")
+    return model
 
 
 def width(t: T) -> int:

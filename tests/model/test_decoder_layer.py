@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.engine.tiny import run_all, tiny_model
-from tests.model.test_gguf_native import IDS, MIXED, native_model
+from tests.model.gguf_blocks import IDS, MIXED, native_model
 from tests.tiny_model import tiny_tokenizer, write_tiny_gguf
 from tokenmill.config import Config
 from tokenmill.engine.build import build_engine_core

@@ -8,25 +8,14 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from tests.model.gguf_blocks import weights
+from tests.model.gguf_blocks import IDS, MIXED, native_model, weights
 from tests.tiny_model import write_tiny_gguf
 from tokenmill.kernels import ops
 from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.gguf_linear import GgufEmbedding, GgufLinear, GgufWeight
 from tokenmill.model.gguf_quant import gguf_matmul
-from tokenmill.model.linear import prepare_linears
 from tokenmill.model.loading.loader import load_model_files
 from tokenmill.model.registry import build_model
-
-MIXED = [T.Q5_0, T.Q8_0, T.Q4_0]  # taken in turn: q, k and v of a layer get different types, as in real files
-IDS = torch.tensor([2, 5, 9, 14, 3, 7, 11, 4, 8, 6])
-
-
-def native_model(path: Path, cache: Path) -> CausalLM:
-    loaded = load_model_files(str(path), str(cache), torch.bfloat16, "gguf")
-    model = build_model(loaded.config, loaded.state_dict, quantized=loaded.quantized)
-    prepare_linears(model, "gguf")
-    return model
 
 
 def float_model(path: Path, cache: Path) -> CausalLM:

@@ -48,9 +48,11 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     """Rotary position embedding in the "rotate half" layout Hugging Face checkpoints use.
 
-    The frequencies are recomputed per call (head_dim / 2 numbers) rather than kept as a buffer, so a model built on
-    the meta device and filled by load_state_dict needs nothing re-initialised. `scaling`: per-frequency divisors
-    (Llama 3, Phi-3's longrope; see RopeScaling), on top of the linear `scaling_factor`.
+    The frequencies are computed from the config, not kept as a buffer, so a model built on the meta device and filled
+    by load_state_dict needs nothing re-initialised. `scaling`: per-frequency divisors (Llama 3, Phi-3's longrope; see
+    RopeScaling), on top of the linear `scaling_factor`. The (cos, signed sin) of every position up to the furthest
+    asked for are kept per dtype, grown by doubling, and a step's rows are picked from them: each position's values
+    are computed elementwise, so picking gives the same numbers as computing them for the step's positions alone.
     """
 
     def __init__(
@@ -58,6 +60,7 @@ class Rotary(nn.Module):
     ) -> None:
         super().__init__()
         self.head_dim, self.base, self.scaling_factor, self.scaling = head_dim, base, scaling_factor, scaling
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def inv_freq(self, divisors: tuple[float, ...] | None = None) -> torch.Tensor:
         """(head_dim / 2,) float32: the rotation of each pair of dimensions per position."""
@@ -67,6 +70,15 @@ class Rotary(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """→ (cos, signed sin), each (T, 1, head_dim): the sin's first half negated, as `apply_rotary` wants it."""
+        cos, sin = self._tables.get(dtype, (None, None))
+        furthest = int(positions.max()) + 1 if positions.numel() else 0
+        if cos is None or sin is None or cos.shape[0] < furthest:
+            size = max(furthest, 2 * cos.shape[0] if cos is not None else 256)
+            cos, sin = self._tables[dtype] = self.table(torch.arange(size), dtype)
+        return cos[positions][:, None, :], sin[positions][:, None, :]
+
+    def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin) of `positions`, each (T, head_dim) in `dtype`."""
         scaling = self.scaling
         divisors = scaling.divisors if scaling is not None else None
         freqs = positions.float()[:, None] * self.inv_freq(divisors)[None, :]  # (T, head_dim / 2)
@@ -79,7 +91,7 @@ class Rotary(nn.Module):
         cos, sin = emb.cos(), emb.sin()
         if scaling is not None and scaling.attention_scale != 1.0:
             cos, sin = cos * scaling.attention_scale, sin * scaling.attention_scale
-        return cos.to(dtype)[:, None, :], (sin * sign).to(dtype)[:, None, :]
+        return cos.to(dtype), (sin * sign).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
