@@ -1,13 +1,22 @@
-"""In-process decode speed of the engine (no HTTP): greedy, EOS banned, a batch of identical prompts.
+"""In-process decode speed of the engine (no HTTP): greedy, EOS banned, a batch of prompts decoded together.
 
 python scripts/engine_speed.py --dtype bfloat16 --batch 1 16 --tokens 64
+
+Besides the aggregate it prints where a step goes, as medians over the decode steps: the model's layers (the
+runner's forward), the LM head (the runner's logits) and the rest (sampling, bookkeeping), and the first step's time
+(the batch's prefill). `--bench-prompts` takes the prompts `tokenmill bench` sends, one per row, in place of one
+repeated prompt.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
+from tokenmill.bench.load import PROMPTS
 from tokenmill.config import Config
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.engine import AsyncEngine
@@ -16,33 +25,78 @@ from tokenmill.engine.sampling import SamplingParams
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=None, help="a GGUF file or model directory; default: the packaged model")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--bench-prompts", action="store_true", help="the bench's prompts, one per row")
     args = parser.parse_args()
-    engine = AsyncEngine.from_config(Config(dtype=args.dtype, quantization=args.quantization))
+    engine = AsyncEngine.from_config(
+        Config(model=(args.model,) if args.model else (), dtype=args.dtype, quantization=args.quantization)
+    )
     core, tok = engine.core, engine.tokenizer
-    prompt = tok.encode("The capital of France is")
+    texts = PROMPTS if args.bench_prompts else ("The capital of France is",)
+    prompts = [tok.encode(text) for text in texts]
     ban_eos = {i: -100.0 for i in tok.eos_ids}
+    phases = Phases(core)
     for batch in args.batch:
-        print(engine.run_in_engine_thread(lambda b=batch: measure(core, prompt, b, args.tokens, ban_eos, args)))
+        print(engine.run_in_engine_thread(lambda b=batch: measure(core, phases, prompts, b, args.tokens, ban_eos)))
+
+
+class Phases:
+    """Times the runner's forward and logits calls, step by step."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.forward: list[float] = []
+        self.logits: list[float] = []
+        core.runner.forward = self._timed(core.runner.forward, self.forward)  # type: ignore[method-assign]
+        core.runner.logits = self._timed(core.runner.logits, self.logits)  # type: ignore[method-assign]
+
+    @staticmethod
+    def _timed(fn: Callable[..., Any], into: list[float]) -> Callable[..., Any]:
+        def timed(*args: Any) -> Any:
+            start = time.perf_counter()
+            result = fn(*args)
+            into.append(time.perf_counter() - start)
+            return result
+
+        return timed
+
+    def clear(self) -> None:
+        self.forward.clear()
+        self.logits.clear()
 
 
 def measure(
-    core: EngineCore, prompt: list[int], batch: int, tokens: int, ban_eos: dict[int, float], args: argparse.Namespace
+    core: EngineCore,
+    phases: Phases,
+    prompts: list[list[int]],
+    batch: int,
+    tokens: int,
+    ban_eos: dict[int, float],
 ) -> str:
     for i in range(batch):
         params = SamplingParams(max_tokens=tokens, temperature=0.0, logit_bias=ban_eos)
-        core.add_request(f"{batch}-{i}", prompt, params)
-    start, steps = time.perf_counter(), 0
-    while core.has_work and steps < 10 * tokens:
+        core.add_request(f"{batch}-{i}-{time.monotonic_ns()}", prompts[i % len(prompts)], params)
+    start = time.perf_counter()
+    core.step()
+    prefill = time.perf_counter() - start
+    phases.clear()
+    steps: list[float] = []
+    while core.has_work and len(steps) < 10 * tokens:
+        at = time.perf_counter()
         core.step()
-        steps += 1
+        steps.append(time.perf_counter() - at)
     elapsed = time.perf_counter() - start
+
+    def ms(values: list[float]) -> float:
+        return statistics.median(values) * 1e3 if values else 0.0
+
+    step, layers, head = ms(steps), ms(phases.forward), ms(phases.logits)
     return (
-        f"dtype={args.dtype} quantization={args.quantization} batch={batch} steps={steps} "
-        f"aggregate={batch * tokens / elapsed:.1f} tok/s"
+        f"batch={batch} aggregate={batch * tokens / elapsed:.1f} tok/s prefill step {prefill * 1e3:.1f} ms; "
+        f"decode step {step:.2f} ms: layers {layers:.2f}, head {head:.2f}, rest {step - layers - head:.2f}"
     )
 
 

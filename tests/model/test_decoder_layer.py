@@ -12,7 +12,7 @@ from tests.engine.tiny import run_all, tiny_model
 from tests.model.gguf_blocks import IDS, MIXED, native_model
 from tests.tiny_model import tiny_tokenizer, write_tiny_gguf
 from tokenmill.config import Config
-from tokenmill.engine.build import build_engine_core
+from tokenmill.engine.build import build_engine_core, describe
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.kernels import ops
 from tokenmill.model.gemma3 import Gemma3DecoderLayer
@@ -60,3 +60,11 @@ def test_engine_steps_in_c_equal_the_modules_token_for_token_and_logprob_for_log
 def test_a_layer_without_gguf_blocks_keeps_the_modules() -> None:
     model = tiny_model()
     assert all(isinstance(layer, Gemma3DecoderLayer) and layer.c_plan() is None for layer in model.model.layers)
+
+
+def test_the_banner_names_the_c_layer_only_where_every_layer_takes_it(tmp_path: Path) -> None:
+    config = Config(dtype="bfloat16", block_size=4, num_kv_blocks=32)
+    gguf = native_model(write_tiny_gguf(tmp_path / "mixed.gguf", quantize=MIXED), tmp_path / "cache")
+    assert "decoder_layer" in describe(build_engine_core(gguf, tiny_tokenizer(), config), config).kernels  # type: ignore[arg-type]
+    plain = build_engine_core(tiny_model().to(torch.bfloat16), tiny_tokenizer(), config)  # type: ignore[arg-type]
+    assert "decoder_layer" not in describe(plain, config).kernels

@@ -18,6 +18,7 @@ from tokenmill.engine.outputs import EngineDescription
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.model.causal_lm import CausalLM
+from tokenmill.model.gemma3 import Gemma3DecoderLayer
 from tokenmill.model.loading.memory import release_freed_memory, unmap_file_pages
 from tokenmill.tokenizer import Tokenizer
 
@@ -80,8 +81,16 @@ def describe(core: EngineCore, config: Config) -> EngineDescription:
         dtype=config.dtype,
         quantization=quantization,
         kv_cache_tokens=core.blocks.num_blocks * core.blocks.block_size,
-        kernels=kernels_in_use(config.dtype, quantization),
+        kernels=kernels_in_use(config.dtype, quantization) + (("decoder_layer",) if layers_in_c(core, config) else ()),
     )
+
+
+def layers_in_c(core: EngineCore, config: Config) -> bool:
+    """Whether every decoder layer runs as one C call (decoder_layer.c: Gemma 3 on GGUF blocks, bf16), as each
+    layer's forward decides it."""
+    layers = list(core.runner.model.model.layers)
+    in_c = [isinstance(layer, Gemma3DecoderLayer) and layer.c_layer and layer.c_plan() is not None for layer in layers]
+    return config.dtype == "bfloat16" and bool(layers) and all(in_c)
 
 
 def kernels_in_use(dtype: str, quantization: str) -> tuple[str, ...]:

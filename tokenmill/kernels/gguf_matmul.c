@@ -506,7 +506,7 @@ typedef struct {
  * float step per row (K-quants' minimums in `mins`). Q6_K's halves (elements 0-15, 16-31) are summed apart. */
 ALWAYS_INLINE void rows_update(int type, const ivec *vec, factors f, const xblock *const *xb, fvec *acc, fvec *mins,
                                const int R) {
-    ivec sum[4], half[4];
+    ivec sum[ROW_STEP], half[ROW_STEP];
     if (R == 1) { /* one row: two chains of dot products (each waits on the last), joined exactly */
         ivec chain[2][2] = {{iv_zero(), iv_zero()}, {iv_zero(), iv_zero()}};
         for (int g = 0; g < 8; g++) {
