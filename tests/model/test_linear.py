@@ -47,6 +47,18 @@ def test_row_results_do_not_depend_on_batch_size(quantization: str) -> None:
             assert torch.equal(layer(batch)[position], alone)
 
 
+@pytest.mark.parametrize(("n", "k"), [(512, 128), (2048, 640)])
+def test_fp32_rows_do_not_depend_on_batch_size_at_model_widths(n: int, k: int) -> None:
+    # at these widths MKL's row 0 of 8 (or 16) rows differed from row 0 of 4 on an Intel Xeon
+    layer = make_linear(weight(n, k), "none")
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(2))
+    alone = layer(x[:1])[0]
+    for rows in (2, 5, 8, 9, 16, 17, 31, 40):
+        batch = x[:rows].clone()
+        batch[rows // 2] = x[0]
+        assert torch.equal(layer(batch)[rows // 2], alone)
+
+
 def test_row_tiled_linear_keeps_the_shape_of_any_input() -> None:
     layer = RowTiledLinear(weight())
     x = torch.randn(2, 3, 64)

@@ -16,7 +16,7 @@ from torch import nn
 
 from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.layers import RMSNorm
-from tokenmill.model.linear import float32_product
+from tokenmill.model.linear import chunked_linear, float32_product
 from tokenmill.model.model_config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (keys, values), each (num_slots, Hkv, D)
@@ -74,7 +74,8 @@ class CausalLM(nn.Module):
             logits = float32_product(self.lm_head, hidden)
         else:
             tied = cast(torch.Tensor, self.model.embed_tokens.weight)  # no head of its own: the table's nn.Embedding
-            logits = F.linear(hidden, tied).float()
+            # fp32 rows chunked as RowTiledLinear does them (batch invariance); bf16's oneDNN product needs no chunks
+            logits = chunked_linear(hidden, tied) if tied.dtype == torch.float32 else F.linear(hidden, tied).float()
         cap = self.config.final_logit_softcapping
         return logits if not cap else logits.div_(cap).tanh_().mul_(cap)
 
