@@ -111,18 +111,22 @@ static void quantize_block(const uint16_t *src, xblock *o) {
 }
 #endif
 
-/* rows (M, K), `stride` apart -> M * K / 32 blocks, row after row; shared out by block, so one row uses both cores.
- * Called inside a parallel region. */
-static void quantize_rows(const uint16_t *x, int64_t stride, int64_t m, int64_t k, xblock *out) {
+/* rows (M, K), `stride` apart -> M * K / 32 blocks: row after row, or (block_major) block b of every row, then
+ * block b + 1, as the matmul reads them. Shared out by block, so one row uses both cores. Called inside a parallel
+ * region. */
+static void quantize_rows(const uint16_t *x, int64_t stride, int64_t m, int64_t k, xblock *out, int block_major) {
     int64_t nb = k / 32;
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < m * nb; i++) quantize_block(x + i / nb * stride + 32 * (i % nb), out + i);
+    for (int64_t i = 0; i < m * nb; i++) {
+        int64_t row = i / nb, b = i % nb;
+        quantize_block(x + row * stride + 32 * b, out + (block_major ? b * m + row : i));
+    }
 }
 
 int gguf_quantize_rows(const uint16_t *x, int64_t stride, int64_t m, int64_t k, void *out, int threads) {
     if (k % 32) return -1;
 #pragma omp parallel num_threads(threads)
-    quantize_rows(x, stride, m, k, out);
+    quantize_rows(x, stride, m, k, out, 0);
     return 0;
 }
 
@@ -359,6 +363,7 @@ static inline ivec iv_dot(ivec acc, ivec u, int32_t x4) { return _mm512_dpbusd_e
 static inline ivec iv_dot_signed(ivec acc, ivec u, int32_t x4) { return iv_dot(acc, u, x4); }
 #define Q8_0_OFFSET 128
 static inline ivec iv_sub_set1(ivec v, int32_t s) { return _mm512_sub_epi32(v, _mm512_set1_epi32(s)); }
+static inline ivec iv_set1(int32_t s) { return _mm512_set1_epi32(s); }
 static inline ivec iv_add(ivec a, ivec b) { return _mm512_add_epi32(a, b); }
 static inline ivec iv_i8_lanes(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 static inline fvec fv_u8_lanes(const uint8_t *p) {
@@ -443,6 +448,7 @@ static inline ivec iv_sub_set1(ivec v, int32_t s) {
     return IV2(_mm256_sub_epi32(v.a, x), _mm256_sub_epi32(v.b, x));
 }
 static inline ivec iv_add(ivec x, ivec y) { return IV2(_mm256_add_epi32(x.a, y.a), _mm256_add_epi32(x.b, y.b)); }
+static inline ivec iv_set1(int32_t s) { return IV2(_mm256_set1_epi32(s), _mm256_set1_epi32(s)); }
 static inline ivec iv_i8_lanes(const uint8_t *p) {
     __m128i v = _mm_loadu_si128((const __m128i *)p);
     return IV2(_mm256_cvtepi8_epi32(v), _mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
@@ -502,13 +508,42 @@ typedef struct {
     fvec scale, scale_hi, min; /* Q6_K: scale for elements 0-15, scale_hi for 16-31; min: Q4_K / Q5_K */
 } factors;
 
-/* R rows' update by one sub-block: the exact int32 sums of the decoded vectors against each row's block, then one
- * float step per row (K-quants' minimums in `mins`). Q6_K's halves (elements 0-15, 16-31) are summed apart. */
+/* The codes' offset a type's sums carry (unsigned codes stand for code - offset): the matmul subtracts offset * sum */
+static inline int32_t code_offset(int type) {
+    return type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q8_0 ? Q8_0_OFFSET : 0;
+}
+
+/* What a row's update needs of its block besides the codes, made once per block rather than once per block and group
+ * (in the matmul's scratch; `halves` is Q6_K's alone): with an offset, halves[0] = -offset * sum, the value its sums
+ * start from; for Q4_K and Q5_K, halves[1] holds the float d * sum that scales the minimums. The same integers and the
+ * same float product as computed in place, so the same bits. Called inside a parallel region. */
+static void prepare_blocks(int type, xblock *x, int64_t count) {
+    int32_t offset = code_offset(type);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < count; i++) {
+        if (offset) x[i].halves[0] = -offset * x[i].sum;
+        if (type == Q4_K || type == Q5_K) {
+            float dsum = x[i].d * (float)x[i].sum;
+            memcpy(&x[i].halves[1], &dsum, sizeof dsum);
+        }
+    }
+}
+
+static inline float block_dsum(const xblock *xb) {
+    float v;
+    memcpy(&v, &xb->halves[1], sizeof v);
+    return v;
+}
+
+/* R rows' update by one sub-block: the exact int32 sums of the decoded vectors against each row's block (from the
+ * offset prepare_blocks left), then one float step per row (K-quants' minimums in `mins`). Q6_K's halves (elements
+ * 0-15, 16-31) are summed apart. */
 ALWAYS_INLINE void rows_update(int type, const ivec *vec, factors f, const xblock *const *xb, fvec *acc, fvec *mins,
                                const int R) {
     ivec sum[ROW_STEP], half[ROW_STEP];
     if (R == 1) { /* one row: two chains of dot products (each waits on the last), joined exactly */
-        ivec chain[2][2] = {{iv_zero(), iv_zero()}, {iv_zero(), iv_zero()}};
+        ivec start = code_offset(type) ? iv_set1(xb[0]->halves[0]) : iv_zero();
+        ivec chain[2][2] = {{start, iv_zero()}, {iv_zero(), iv_zero()}};
         for (int g = 0; g < 8; g++) {
             ivec *c = &chain[g / 4][g % 2];
             *c = type == Q8_0 ? iv_dot_signed(*c, vec[g], four(xb[0], g)) : iv_dot(*c, vec[g], four(xb[0], g));
@@ -517,7 +552,10 @@ ALWAYS_INLINE void rows_update(int type, const ivec *vec, factors f, const xbloc
         half[0] = lo;
         sum[0] = type == Q6_K ? hi : iv_add(lo, hi);
     } else {
-        for (int r = 0; r < R; r++) sum[r] = half[r] = iv_zero();
+        for (int r = 0; r < R; r++) {
+            sum[r] = code_offset(type) ? iv_set1(xb[r]->halves[0]) : iv_zero();
+            half[r] = iv_zero();
+        }
         for (int g = 0; g < 8; g++) {
             if (type == Q6_K && g == 4)
                 for (int r = 0; r < R; r++) {
@@ -533,24 +571,23 @@ ALWAYS_INLINE void rows_update(int type, const ivec *vec, factors f, const xbloc
         fvec xd = fv_set1(xb[r]->d);
         if (type == Q4_K || type == Q5_K) {
             acc[r] = fv_fma(fv_cvt(sum[r]), fv_mul(f.scale, xd), acc[r]);
-            mins[r] = fv_fma(f.min, fv_set1(xb[r]->d * (float)xb[r]->sum), mins[r]);
+            mins[r] = fv_fma(f.min, fv_set1(block_dsum(xb[r])), mins[r]);
         } else if (type == Q6_K) {
             ivec lo = iv_sub_set1(half[r], 32 * xb[r]->halves[0]);
             ivec hi = iv_sub_set1(sum[r], 32 * xb[r]->halves[1]);
             acc[r] = fv_fma(fv_cvt(lo), fv_mul(f.scale, xd), acc[r]);
             acc[r] = fv_fma(fv_cvt(hi), fv_mul(f.scale_hi, xd), acc[r]);
         } else {
-            int offset = type == Q4_0 ? 8 : type == Q5_0 ? 16 : Q8_0_OFFSET;
-            ivec total = offset ? iv_sub_set1(sum[r], offset * xb[r]->sum) : sum[r];
-            acc[r] = fv_fma(fv_cvt(total), fv_mul(f.scale, xd), acc[r]);
+            acc[r] = fv_fma(fv_cvt(sum[r]), fv_mul(f.scale, xd), acc[r]);
         }
     }
 }
 
-/* The group's 16 columns against `rows` rows (<= ROW_CHUNK; row r's blocks at x + r * nb) into res[r]. Block by
+/* The group's 16 columns against `rows` rows (<= ROW_CHUNK; block b of row r at x + b * m + r) into res[r]. Block by
  * block: each sub-block's codes are decoded once for all the rows, and the weights stream from memory while the
  * rows compute (the accumulators live in L1). */
-ALWAYS_INLINE void packed_group(int type, const uint8_t *w, const xblock *x, int64_t nb, int64_t rows, fvec *res) {
+ALWAYS_INLINE void packed_group(int type, const uint8_t *w, const xblock *x, int64_t nb, int64_t m, int64_t rows,
+                                fvec *res) {
     const int S = is_k(type) ? 8 : 1; /* sub-blocks per unit */
     const int64_t unit = packed_unit_bytes(type);
     fvec mins[ROW_CHUNK];
@@ -573,14 +610,15 @@ ALWAYS_INLINE void packed_group(int type, const uint8_t *w, const xblock *x, int
             for (; ahead < end; ahead += 64) _mm_prefetch(ahead, _MM_HINT_T1);
             ivec vec[8];
             for (int g = 0; g < 8; g++) vec[g] = packed_vector(type, codes + j * code_bytes(type), g);
+            const xblock *block = x + (u * S + j) * m; /* this sub-block's rows, side by side */
             int64_t r = 0;
             for (; r + ROW_STEP <= rows; r += ROW_STEP) {
                 const xblock *xb[ROW_STEP];
-                for (int i = 0; i < ROW_STEP; i++) xb[i] = x + (r + i) * nb + u * S + j;
+                for (int i = 0; i < ROW_STEP; i++) xb[i] = block + r + i;
                 rows_update(type, vec, f, xb, res + r, mins + r, ROW_STEP);
             }
             for (; r < rows; r++) {
-                const xblock *xb = x + r * nb + u * S + j;
+                const xblock *xb = block + r;
                 rows_update(type, vec, f, &xb, res + r, mins + r, 1);
             }
         }
@@ -588,20 +626,22 @@ ALWAYS_INLINE void packed_group(int type, const uint8_t *w, const xblock *x, int
     for (int64_t r = 0; r < rows; r++) res[r] = fv_sub(res[r], mins[r]);
 }
 
-static void any_packed_group(int type, const uint8_t *w, const xblock *x, int64_t nb, int64_t rows, fvec *res) {
+static void any_packed_group(int type, const uint8_t *w, const xblock *x, int64_t nb, int64_t m, int64_t rows,
+                             fvec *res) {
     switch (type) {
-        case Q4_0: packed_group(Q4_0, w, x, nb, rows, res); break;
-        case Q5_0: packed_group(Q5_0, w, x, nb, rows, res); break;
-        case Q8_0: packed_group(Q8_0, w, x, nb, rows, res); break;
-        case Q4_K: packed_group(Q4_K, w, x, nb, rows, res); break;
-        case Q5_K: packed_group(Q5_K, w, x, nb, rows, res); break;
-        default: packed_group(Q6_K, w, x, nb, rows, res); break;
+        case Q4_0: packed_group(Q4_0, w, x, nb, m, rows, res); break;
+        case Q5_0: packed_group(Q5_0, w, x, nb, m, rows, res); break;
+        case Q8_0: packed_group(Q8_0, w, x, nb, m, rows, res); break;
+        case Q4_K: packed_group(Q4_K, w, x, nb, m, rows, res); break;
+        case Q5_K: packed_group(Q5_K, w, x, nb, m, rows, res); break;
+        default: packed_group(Q6_K, w, x, nb, m, rows, res); break;
     }
 }
 
 /* x: M rows of K bf16 inputs, x_stride apart; w: N columns repacked by gguf_repack; out: (M, ldo) bf16, or float32
  * if float_out, its columns [0, N) written. The rows are quantised first (as gguf_quantize_rows does), into a
- * scratch of M * K / 32 blocks. Returns 0, -1 for a type or width it does not take, -2 without memory. */
+ * scratch of M * K / 32 blocks, block-major (each block's rows side by side, as a group's pass reads them). Returns
+ * 0, -1 for a type or width it does not take, -2 without memory. */
 int gguf_matmul(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, int type, const uint8_t *w, int64_t n,
                 void *out, int64_t ldo, int float_out, int threads) {
     if (gguf_packed_bytes(type, n, k) < 0) return -1;
@@ -618,13 +658,14 @@ int gguf_matmul(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, in
     int64_t first = groups * thread / team, last = groups * (thread + 1) / team;
     for (int64_t at = 0; first < last && at < PREFETCH_AHEAD; at += 64)
         _mm_prefetch((const char *)w + first * group_bytes + at, _MM_HINT_T1);
-    quantize_rows(x_in, x_stride, m, k, x);
+    quantize_rows(x_in, x_stride, m, k, x, 1);
+    prepare_blocks(type, x, m * nb);
     for (int64_t g = first; g < last; g++) {
         fvec res[ROW_CHUNK];
         int64_t c0 = GROUP * g, cols = n - c0 < GROUP ? n - c0 : GROUP;
         for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK) {
             int64_t rows = m - r0 < ROW_CHUNK ? m - r0 : ROW_CHUNK;
-            any_packed_group(type, w + g * group_bytes, x + r0 * nb, nb, rows, res);
+            any_packed_group(type, w + g * group_bytes, x + r0, nb, m, rows, res);
             for (int64_t r = 0; r < rows; r++) {
                 char *at = (char *)out + ((r0 + r) * ldo + c0) * elem;
                 if (cols == GROUP) {
