@@ -24,7 +24,8 @@ import torch
 from tokenmill.kernels import ops
 
 CHUNK = 64  # keys per chunk
-ROW_TILE = 4  # fp32 matmuls compute rows in tiles of 4 and a partial tile with another kernel: pad to whole tiles
+ROW_TILE = 4  # fp32 query rows padded to whole tiles of 4: at these shapes (head_dim x CHUNK keys) row results were
+# checked not to depend on the row or batch count (MKL picks kernels by shape; see linear.py for shapes where they do)
 PREFILL_BYTES = 64 << 20  # bound on one prefill call's partial outputs; longer prompts are split into row slices
 
 
