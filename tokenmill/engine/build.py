@@ -81,16 +81,17 @@ def describe(core: EngineCore, config: Config) -> EngineDescription:
         dtype=config.dtype,
         quantization=quantization,
         kv_cache_tokens=core.blocks.num_blocks * core.blocks.block_size,
-        kernels=kernels_in_use(config.dtype, quantization) + (("decoder_layer",) if layers_in_c(core, config) else ()),
+        kernels=kernels_in_use(config.dtype, quantization) + (("decoder_layer",) if layers_in_c(core) else ()),
     )
 
 
-def layers_in_c(core: EngineCore, config: Config) -> bool:
-    """Whether every decoder layer runs as one C call (decoder_layer.c: Gemma 3 on GGUF blocks, bf16), as each
-    layer's forward decides it."""
+def layers_in_c(core: EngineCore) -> bool:
+    """Whether every decoder layer runs as one C call (decoder_layer.c), by the check each layer's forward makes."""
     layers = list(core.runner.model.model.layers)
-    in_c = [isinstance(layer, Gemma3DecoderLayer) and layer.c_layer and layer.c_plan() is not None for layer in layers]
-    return config.dtype == "bfloat16" and bool(layers) and all(in_c)
+    dtype = core.runner.dtype
+    return bool(layers) and all(
+        isinstance(layer, Gemma3DecoderLayer) and layer.c_plan_for(dtype) is not None for layer in layers
+    )
 
 
 def kernels_in_use(dtype: str, quantization: str) -> tuple[str, ...]:

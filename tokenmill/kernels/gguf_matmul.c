@@ -111,22 +111,39 @@ static void quantize_block(const uint16_t *src, xblock *o) {
 }
 #endif
 
-/* rows (M, K), `stride` apart -> M * K / 32 blocks: row after row, or (block_major) block b of every row, then
- * block b + 1, as the matmul reads them. Shared out by block, so one row uses both cores. Called inside a parallel
- * region. */
-static void quantize_rows(const uint16_t *x, int64_t stride, int64_t m, int64_t k, xblock *out, int block_major) {
+/* How the blocks are laid out and what they carry besides (gguf_quantize_rows: plain blocks, row after row). The
+ * matmul's scratch is block-major (block b of every row, then block b + 1, as a group's pass reads them) and holds
+ * what each row's update needs of its block, made once per block rather than once per block, group and row (`halves`
+ * being Q6_K's alone): with an `offset`, halves[0] = -offset * sum, the value the block's sums start from; with
+ * `dsum` (Q4_K, Q5_K), halves[1] holds the float d * sum that scales the minimums. The same integers and the same
+ * float product as computed in place, so the same bits. */
+typedef struct {
+    int block_major;
+    int32_t offset;
+    int dsum;
+} block_layout;
+
+/* rows (M, K), `stride` apart -> M * K / 32 blocks, laid out as `layout` says; shared out by block, so one row uses
+ * both cores. Called inside a parallel region. */
+static void quantize_rows(const uint16_t *x, int64_t stride, int64_t m, int64_t k, xblock *out, block_layout layout) {
     int64_t nb = k / 32;
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < m * nb; i++) {
         int64_t row = i / nb, b = i % nb;
-        quantize_block(x + row * stride + 32 * b, out + (block_major ? b * m + row : i));
+        xblock *o = out + (layout.block_major ? b * m + row : i);
+        quantize_block(x + row * stride + 32 * b, o);
+        if (layout.offset) o->halves[0] = -layout.offset * o->sum;
+        if (layout.dsum) {
+            float dsum = o->d * (float)o->sum;
+            memcpy(&o->halves[1], &dsum, sizeof dsum);
+        }
     }
 }
 
 int gguf_quantize_rows(const uint16_t *x, int64_t stride, int64_t m, int64_t k, void *out, int threads) {
     if (k % 32) return -1;
 #pragma omp parallel num_threads(threads)
-    quantize_rows(x, stride, m, k, out, 0);
+    quantize_rows(x, stride, m, k, out, (block_layout){0, 0, 0});
     return 0;
 }
 
@@ -508,27 +525,12 @@ typedef struct {
     fvec scale, scale_hi, min; /* Q6_K: scale for elements 0-15, scale_hi for 16-31; min: Q4_K / Q5_K */
 } factors;
 
-/* The codes' offset a type's sums carry (unsigned codes stand for code - offset): the matmul subtracts offset * sum */
+/* The codes' offset a type's sums carry (unsigned codes stand for code - offset): offset * sum comes off */
 static inline int32_t code_offset(int type) {
     return type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q8_0 ? Q8_0_OFFSET : 0;
 }
 
-/* What a row's update needs of its block besides the codes, made once per block rather than once per block and group
- * (in the matmul's scratch; `halves` is Q6_K's alone): with an offset, halves[0] = -offset * sum, the value its sums
- * start from; for Q4_K and Q5_K, halves[1] holds the float d * sum that scales the minimums. The same integers and the
- * same float product as computed in place, so the same bits. Called inside a parallel region. */
-static void prepare_blocks(int type, xblock *x, int64_t count) {
-    int32_t offset = code_offset(type);
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < count; i++) {
-        if (offset) x[i].halves[0] = -offset * x[i].sum;
-        if (type == Q4_K || type == Q5_K) {
-            float dsum = x[i].d * (float)x[i].sum;
-            memcpy(&x[i].halves[1], &dsum, sizeof dsum);
-        }
-    }
-}
-
+/* d * sum, as quantize_rows left it in a block of the matmul's scratch (Q4_K, Q5_K) */
 static inline float block_dsum(const xblock *xb) {
     float v;
     memcpy(&v, &xb->halves[1], sizeof v);
@@ -536,7 +538,7 @@ static inline float block_dsum(const xblock *xb) {
 }
 
 /* R rows' update by one sub-block: the exact int32 sums of the decoded vectors against each row's block (from the
- * offset prepare_blocks left), then one float step per row (K-quants' minimums in `mins`). Q6_K's halves (elements
+ * offset quantize_rows left), then one float step per row (K-quants' minimums in `mins`). Q6_K's halves (elements
  * 0-15, 16-31) are summed apart. */
 ALWAYS_INLINE void rows_update(int type, const ivec *vec, factors f, const xblock *const *xb, fvec *acc, fvec *mins,
                                const int R) {
@@ -658,8 +660,7 @@ int gguf_matmul(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, in
     int64_t first = groups * thread / team, last = groups * (thread + 1) / team;
     for (int64_t at = 0; first < last && at < PREFETCH_AHEAD; at += 64)
         _mm_prefetch((const char *)w + first * group_bytes + at, _MM_HINT_T1);
-    quantize_rows(x_in, x_stride, m, k, x, 1);
-    prepare_blocks(type, x, m * nb);
+    quantize_rows(x_in, x_stride, m, k, x, (block_layout){1, code_offset(type), type == Q4_K || type == Q5_K});
     for (int64_t g = first; g < last; g++) {
         fvec res[ROW_CHUNK];
         int64_t c0 = GROUP * g, cols = n - c0 < GROUP ? n - c0 : GROUP;

@@ -86,13 +86,17 @@ class Gemma3DecoderLayer(nn.Module):
         self._planned = False
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        plan = self.c_plan() if self.c_layer and x.dtype == torch.bfloat16 else None
+        plan = self.c_plan_for(x.dtype)
         if plan is not None and kv_cache[0].dtype == torch.bfloat16:
             keys = meta.key_lists(self.self_attn.window)
             cos, signed_sin = (r[:, 0].contiguous() for r in rope)
             return ops.gemma3_layer(plan, x, cos, signed_sin, kv_cache, meta.slot_mapping, *keys.astuple())
         x = self.post_attention_layernorm.add_to(x, self.self_attn(self.input_layernorm(x), rope, kv_cache, meta))
         return self.post_feedforward_layernorm.add_to(x, self.mlp(self.pre_feedforward_layernorm(x)))
+
+    def c_plan_for(self, dtype: torch.dtype) -> ops.DecoderLayerPlan | None:
+        """The plan where this layer runs as one C call on activations of `dtype` (bf16 only); else None."""
+        return self.c_plan() if self.c_layer and dtype == torch.bfloat16 else None
 
     def c_plan(self) -> ops.DecoderLayerPlan | None:
         """The layer as decoder_layer.c takes it, built on first use; None where that C path cannot run it."""
