@@ -21,6 +21,7 @@ from tokenmill.config import Config
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.engine import AsyncEngine
 from tokenmill.engine.sampling import SamplingParams
+from tokenmill.kernels import ops
 
 
 def main() -> None:
@@ -31,7 +32,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--bench-prompts", action="store_true", help="the bench's prompts, one per row")
+    parser.add_argument("--no-amx", action="store_true", help="gguf_matmul without its AMX path (the same bits)")
     args = parser.parse_args()
+    if args.no_amx:
+        ops.gguf_amx(False)
     engine = AsyncEngine.from_config(
         Config(model=(args.model,) if args.model else (), dtype=args.dtype, quantization=args.quantization)
     )

@@ -7,7 +7,7 @@ from tokenmill.config import Config
 from tokenmill.engine.build import describe, kernels_in_use
 from tokenmill.kernels import ops
 
-BF16_ONLY = {"fused", "paged_attention", "gelu_mul", "int8_matmul", "gguf_matmul"}
+BF16_ONLY = {"fused", "paged_attention", "gelu_mul", "int8_matmul", "gguf_matmul", "gguf_amx"}
 
 
 def test_the_description_gives_the_kv_capacity_in_tokens() -> None:
@@ -27,4 +27,14 @@ def test_each_quantisation_names_its_own_matmul_kernel_where_it_was_built() -> N
     int8, gguf = set(kernels_in_use("bfloat16", "int8")), set(kernels_in_use("bfloat16", "gguf"))
     assert ("int8_matmul" in int8) == ops.int8_matmul_available() and "gguf_matmul" not in int8
     assert ("gguf_matmul" in gguf) == ops.gguf_matmul_available() and "int8_matmul" not in gguf
+    assert ("gguf_amx" in gguf) == ops.gguf_amx() and "gguf_amx" not in int8
     assert ("fused" in int8) == (ops.library() is not None)
+
+
+def test_the_banner_leaves_amx_out_when_it_is_not_wanted() -> None:
+    was = ops.gguf_amx()
+    try:
+        ops.gguf_amx(False)
+        assert "gguf_amx" not in kernels_in_use("bfloat16", "gguf")
+    finally:
+        ops.gguf_amx(was)

@@ -120,3 +120,38 @@ def test_input_rows_may_be_strided() -> None:
     ops.gguf_matmul(wide[:, k:], int(T.Q8_0), packed, 48, out)
     ops.gguf_matmul(wide[:, k:].contiguous(), int(T.Q8_0), packed, 48, expected)
     assert torch.equal(out, expected)
+
+
+AMX = ops.gguf_matmul_available() and ops.gguf_amx()
+
+
+@pytest.mark.skipif(not AMX, reason="no AMX here (or the OS does not grant its tile state)")
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_the_amx_path_gives_the_vnni_paths_bits(t: T) -> None:
+    """Whole tiles of 16 rows go to AMX (Q4_0, Q5_0, Q8_0), the rows left over to VNNI: every row count, with a NaN
+    row among them, must give the bits of the VNNI path alone."""
+    for n in (48, 45):
+        raw, k = weights(t, n=n)
+        packed = ops.gguf_repack(raw, int(t), k)
+        for m in (15, 16, 17, 33, 64, 65, 70, 130):
+            x = activations(m, k).to(torch.bfloat16)
+            x[7, 3] = float("nan")
+            outs = []
+            for amx in (True, False):
+                ops.gguf_amx(amx)
+                out = torch.empty(m, n)
+                ops.gguf_matmul(x, int(t), packed, n, out)
+                outs.append(out)
+            ops.gguf_amx(True)
+            assert outs[0][7].isnan().all() and not outs[0][8:].isnan().any()
+            assert torch.equal(outs[0].nan_to_num(), outs[1].nan_to_num()), (t.name, n, m)
+
+
+@pytest.mark.skipif(not AMX, reason="no AMX here (or the OS does not grant its tile state)")
+def test_amx_rows_do_not_depend_on_the_batch() -> None:
+    """A row computed in a tile of 16 equals the same row computed alone (VNNI) or in another tile."""
+    raw, k = weights(T.Q5_0)
+    x = activations(40, k)
+    full = kernel(x, raw, int(T.Q5_0), k)
+    for lo, hi in ((0, 1), (3, 19), (24, 40), (5, 37)):
+        assert torch.equal(kernel(x[lo:hi], raw, int(T.Q5_0), k), full[lo:hi])

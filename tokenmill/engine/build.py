@@ -108,6 +108,7 @@ def kernels_in_use(dtype: str, quantization: str) -> tuple[str, ...]:
         "gelu_mul": bf16 and ops.gelu_mul_available(),
         "int8_matmul": bf16 and quantization == "int8" and ops.int8_matmul_available(),
         "gguf_matmul": bf16 and quantization == "gguf" and ops.gguf_matmul_available(),
+        "gguf_amx": bf16 and quantization == "gguf" and ops.gguf_amx(),  # its batches of 16 rows on AMX tiles
         "argmax": ops.argmax_available(),  # greedy sampling over float32 logits, whatever the dtype
     }
     return tuple(name for name, used in wanted.items() if used)

@@ -14,6 +14,9 @@
  * x with w's sign on AVX2, +128 and the activation sum on AVX-512), and every (row, column) pair sees the same float
  * operations in the same order whatever the other rows, the thread, or the instruction set.
  *
+ * AMX (further down): on CPUs that have it, whole tiles of 16 rows of Q4_0, Q5_0 and Q8_0 take their exact block sums
+ * from tile products instead, with the same float step: the same bits.
+ *
  * Threads: OpenMP over the column groups (each thread streams its own part of W), which resolves to torch's own
  * libgomp when torch is loaded first.
  */
@@ -640,6 +643,178 @@ static void any_packed_group(int type, const uint8_t *w, const xblock *x, int64_
     }
 }
 
+/* --- AMX: a sub-block's sums for 16 rows in one tile product -----------------------------------------------
+ *
+ * Where the CPU has AMX and Linux grants the process the tile state, the exact int32 sums of a sub-block for 16 rows
+ * and the group's 16 columns come from one tile product (tdpbssd / tdpbsud): the rows' activation codes (16 rows of
+ * 32 bytes, their xblocks' q, a block's rows side by side in the scratch) against the sub-block's eight code vectors,
+ * which are already the layout AMX's second operand takes (vector g is tile row g: elements 4g..4g+3 of every
+ * column), by tdpbssd: Q8_0's codes signed as stored (no +128 and back), Q4_0's and Q5_0's less their offset as they
+ * are decoded (code - offset, where VNNI subtracts offset x sum). The same integers, then the same float step per row
+ * as rows_update, in the same order: the same bits as the VNNI and AVX2 paths. Only whole tiles of 16 rows go to
+ * AMX; the rows left over take the VNNI path, so a row's result still does not depend on its batch.
+ *
+ * Where the time goes: the dot products are nearly free here, and what is left is the float step (three vector
+ * operations a row and sub-block, the 16 rows' accumulators in registers) and moving the sums out of the tiles
+ * (tilestored, then a vector load a row). A tile load or a sum read straight behind the stores of its data waits for
+ * them, so a group's codes are decoded once, before its row tiles, and the products of a batch of sub-blocks go out
+ * a batch ahead of their float steps. The K-quants stay on VNNI: their minimums' step (and Q6_K's halves of 16, two
+ * products of half the depth) measured slower on tiles than off at 16 rows. */
+#if defined(WITH_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#define WITH_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define TILE_ROWS 16 /* a tile product costs the same for one row as for 16: fewer rows take the VNNI path */
+#define AMX_BATCH 8 /* sub-blocks whose products go out together, a batch ahead of their float steps */
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+static int amx_wanted = 1, amx_granted = -1;
+
+/* Linux hands a process the tile state on request (arch_prctl), once; a kernel that refuses leaves VNNI to run */
+static int amx_ready(void) {
+    int granted = __atomic_load_n(&amx_granted, __ATOMIC_ACQUIRE);
+    if (granted < 0) {
+        granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+        __atomic_store_n(&amx_granted, granted, __ATOMIC_RELEASE);
+    }
+    return granted && __atomic_load_n(&amx_wanted, __ATOMIC_RELAXED);
+}
+
+int gguf_amx(int enable) {
+    if (enable >= 0) __atomic_store_n(&amx_wanted, enable != 0, __ATOMIC_RELAXED);
+    return amx_ready();
+}
+
+static inline int amx_takes(int type) { return type == Q8_0 || type == Q4_0 || type == Q5_0; }
+
+/* The tiles, two of each so that consecutive products need not wait on each other: sums (16 rows x 16 int32
+ * columns), activation codes (16 rows x 32 bytes), weight codes (8 rows of 16 columns x 4). Tile numbers are
+ * #defines: the intrinsics paste them into the instruction. */
+#define SUM0 0
+#define SUM1 1
+#define X0 2
+#define X1 3
+#define W0 4
+#define W1 5
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* The tile shapes are per thread: each thread of the team loads them before its first product */
+static void amx_configure(void) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    c.colsb[SUM0] = c.colsb[SUM1] = 4 * GROUP, c.rows[SUM0] = c.rows[SUM1] = TILE_ROWS;
+    c.colsb[X0] = c.colsb[X1] = 32, c.rows[X0] = c.rows[X1] = TILE_ROWS;
+    c.colsb[W0] = c.colsb[W1] = 64, c.rows[W0] = c.rows[W1] = 8;
+    _tile_loadconfig(&c);
+}
+
+/* A group's Q4_0 or Q5_0 codes decoded once into `out` (packed_vector's eight vectors less the offset, 512 bytes a
+ * block), for every row tile to load */
+ALWAYS_INLINE void decode_group(int type, const uint8_t *w, int64_t nb, uint8_t *out) {
+    const int64_t unit = packed_unit_bytes(type);
+    const char *ahead = (const char *)w + PREFETCH_AHEAD;
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t *codes = w + i * unit + 32;
+        const char *end = (const char *)(codes + code_bytes(type)) + PREFETCH_AHEAD;
+        for (; ahead < end; ahead += 64) _mm_prefetch(ahead, _MM_HINT_T1);
+        for (int g = 0; g < 8; g++) {
+            ivec v = _mm512_sub_epi8(packed_vector(type, codes, g), _mm512_set1_epi8((char)code_offset(type)));
+            _mm512_store_si512(out + 512 * i + 64 * g, v);
+        }
+    }
+}
+
+static void any_decode_group(int type, const uint8_t *w, int64_t nb, uint8_t *out) {
+    if (type == Q4_0)
+        decode_group(Q4_0, w, nb, out);
+    else
+        decode_group(Q5_0, w, nb, out);
+}
+
+/* The exact sums of one sub-block's code vectors `wv` against 16 rows' activation blocks (`block`: the sub-block's
+ * rows side by side) into sums; `odd` takes the other tiles */
+ALWAYS_INLINE void tile_sums(const uint8_t *wv, const xblock *block, int odd, int32_t *sums) {
+    const int64_t stride = sizeof(xblock);
+    if (odd) {
+        _tile_loadd(W1, wv, 64);
+        _tile_zero(SUM1);
+        _tile_loadd(X1, block->q, stride);
+        _tile_dpbssd(SUM1, X1, W1);
+        _tile_stored(SUM1, sums, 4 * GROUP);
+    } else {
+        _tile_loadd(W0, wv, 64);
+        _tile_zero(SUM0);
+        _tile_loadd(X0, block->q, stride);
+        _tile_dpbssd(SUM0, X0, W0);
+        _tile_stored(SUM0, sums, 4 * GROUP);
+    }
+}
+
+/* The products of sub-blocks [i0, i0 + count) for one row tile into sums, TILE_ROWS x GROUP int32 each. Q8_0's codes
+ * come straight from the stream (prefetched ahead as packed_group does), the others' from the group's decoding. */
+ALWAYS_INLINE void batch_sums(int type, const uint8_t *w, const uint8_t *decoded, const xblock *x, int64_t m,
+                              int64_t i0, int count, const char **ahead, int32_t *sums) {
+    for (int c = 0; c < count; c++) {
+        int64_t i = i0 + c;
+        const uint8_t *wv = decoded + 512 * i;
+        if (type == Q8_0) {
+            wv = w + i * packed_unit_bytes(Q8_0) + 32;
+            const char *end = (const char *)(wv + code_bytes(Q8_0)) + PREFETCH_AHEAD;
+            for (; *ahead < end; *ahead += 64) _mm_prefetch(*ahead, _MM_HINT_T1);
+        }
+        tile_sums(wv, x + i * m, c % 2, sums + c * TILE_ROWS * GROUP);
+    }
+}
+
+/* packed_group on AMX for one tile of 16 rows (block b of row r at x + b * m + r) into res[0..16): the same walk over
+ * the blocks and the same float step as rows_update, the accumulators in registers */
+ALWAYS_INLINE void amx_group(int type, const uint8_t *w, const uint8_t *decoded, const xblock *x, int64_t nb, int64_t m,
+                             fvec *res) {
+    int32_t sums[2][AMX_BATCH * TILE_ROWS * GROUP] __attribute__((aligned(64)));
+    fvec acc[TILE_ROWS];
+    for (int r = 0; r < TILE_ROWS; r++) acc[r] = fv_zero();
+    const char *ahead = (const char *)w + PREFETCH_AHEAD;
+    batch_sums(type, w, decoded, x, m, 0, nb < AMX_BATCH ? (int)nb : AMX_BATCH, &ahead, sums[0]);
+    for (int64_t i0 = 0, n = 0; i0 < nb; i0 += AMX_BATCH, n++) {
+        int64_t count = nb - i0 < AMX_BATCH ? nb - i0 : AMX_BATCH, left = nb - i0 - count;
+        if (left) batch_sums(type, w, decoded, x, m, i0 + count, left < AMX_BATCH ? (int)left : AMX_BATCH, &ahead,
+                             sums[(n + 1) % 2]);
+        for (int64_t c = 0; c < count; c++) {
+            int64_t i = i0 + c;
+            fvec scale = fv_fp16(w + i * packed_unit_bytes(type));
+            const xblock *block = x + i * m;
+            const int32_t *s = sums[n % 2] + c * TILE_ROWS * GROUP;
+            for (int r = 0; r < TILE_ROWS; r++) {
+                ivec sum = _mm512_load_si512(s + GROUP * r);
+                acc[r] = fv_fma(fv_cvt(sum), fv_mul(scale, fv_set1(block[r].d)), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < TILE_ROWS; r++) res[r] = acc[r];
+}
+
+static void any_amx_group(int type, const uint8_t *w, const uint8_t *decoded, const xblock *x, int64_t nb, int64_t m,
+                          fvec *res) {
+    switch (type) {
+        case Q4_0: amx_group(Q4_0, w, decoded, x, nb, m, res); break;
+        case Q5_0: amx_group(Q5_0, w, decoded, x, nb, m, res); break;
+        default: amx_group(Q8_0, w, decoded, x, nb, m, res); break;
+    }
+}
+#else
+int gguf_amx(int enable) {
+    (void)enable;
+    return 0;
+}
+#endif
+
 /* x: M rows of K bf16 inputs, x_stride apart; w: N columns repacked by gguf_repack; out: (M, ldo) bf16, or float32
  * if float_out, its columns [0, N) written. The rows are quantised first (as gguf_quantize_rows does), into a
  * scratch of M * K / 32 blocks, block-major (each block's rows side by side, as a group's pass reads them). Returns
@@ -648,8 +823,19 @@ int gguf_matmul(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, in
                 void *out, int64_t ldo, int float_out, int threads) {
     if (gguf_packed_bytes(type, n, k) < 0) return -1;
     int64_t nb = k / 32, groups = (n + GROUP - 1) / GROUP;
+#if defined(WITH_AMX)
+    const int amx = m >= TILE_ROWS && amx_takes(type) && amx_ready();
+    /* each thread's decoding of a group's codes (Q4_0, Q5_0; the tiles take Q8_0's as stored) */
+    uint8_t *decoding = amx && type != Q8_0 ? aligned_alloc(64, (size_t)(threads * nb * 512)) : NULL;
+    if (amx && type != Q8_0 && decoding == NULL) return -2;
+#else
+    uint8_t *decoding = NULL;
+#endif
     xblock *x = malloc((size_t)(m * nb) * sizeof *x + 64);
-    if (x == NULL) return -2;
+    if (x == NULL) {
+        free(decoding);
+        return -2;
+    }
     int64_t group_bytes = nb / (is_k(type) ? 8 : 1) * packed_unit_bytes(type);
     size_t elem = float_out ? sizeof(float) : sizeof(uint16_t);
 #pragma omp parallel num_threads(threads)
@@ -661,12 +847,27 @@ int gguf_matmul(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, in
     for (int64_t at = 0; first < last && at < PREFETCH_AHEAD; at += 64)
         _mm_prefetch((const char *)w + first * group_bytes + at, _MM_HINT_T1);
     quantize_rows(x_in, x_stride, m, k, x, (block_layout){1, code_offset(type), type == Q4_K || type == Q5_K});
+#if defined(WITH_AMX)
+    uint8_t *decoded = decoding ? decoding + thread * nb * 512 : NULL;
+    if (amx) amx_configure();
+#endif
     for (int64_t g = first; g < last; g++) {
         fvec res[ROW_CHUNK];
         int64_t c0 = GROUP * g, cols = n - c0 < GROUP ? n - c0 : GROUP;
         for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK) {
             int64_t rows = m - r0 < ROW_CHUNK ? m - r0 : ROW_CHUNK;
-            any_packed_group(type, w + g * group_bytes, x + r0, nb, m, rows, res);
+#if defined(WITH_AMX)
+            int64_t tiled = 0; /* rows done on AMX: whole tiles of 16 */
+            if (amx) {
+                if (decoded && r0 == 0) any_decode_group(type, w + g * group_bytes, nb, decoded);
+                for (; tiled + TILE_ROWS <= rows; tiled += TILE_ROWS)
+                    any_amx_group(type, w + g * group_bytes, decoded, x + r0 + tiled, nb, m, res + tiled);
+            }
+#else
+            const int64_t tiled = 0;
+#endif
+            if (tiled < rows)
+                any_packed_group(type, w + g * group_bytes, x + r0 + tiled, nb, m, rows - tiled, res + tiled);
             for (int64_t r = 0; r < rows; r++) {
                 char *at = (char *)out + ((r0 + r) * ldo + c0) * elem;
                 if (cols == GROUP) {
@@ -684,13 +885,21 @@ int gguf_matmul(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, in
             }
         }
     }
+#if defined(WITH_AMX)
+    if (amx) _tile_release();
+#endif
     }
     free(x);
+    free(decoding);
     return 0;
 }
 
 #else /* neither AVX-512 VNNI nor AVX2 (with F16C), or no OpenMP: linear.py keeps the torch path */
 int gguf_matmul_available(void) { return 0; }
+int gguf_amx(int enable) {
+    (void)enable;
+    return 0;
+}
 int gguf_quantize_rows(const uint16_t *x, int64_t stride, int64_t m, int64_t k, void *out, int threads) {
     (void)x, (void)stride, (void)m, (void)k, (void)out, (void)threads;
     return -1;

@@ -39,6 +39,9 @@ int64_t gguf_packed_bytes(int type, int64_t n, int64_t k);
 int gguf_repack(int type, const uint8_t *w, int64_t n, int64_t k, uint8_t *out, int threads);
 int gguf_matmul(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, int type, const uint8_t *w, int64_t n,
                 void *out, int64_t ldo, int float_out, int threads);
+/* Whether gguf_matmul multiplies on AMX tiles (compiled in, granted by the OS, and wanted); enable 0 or 1 sets the
+ * wanting (the tests compare both paths), -1 only asks */
+int gguf_amx(int enable);
 
 int paged_attention_available(void);
 int paged_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,

@@ -71,6 +71,15 @@ def gguf_matmul_available() -> bool:
     return _built("gguf_matmul")
 
 
+def gguf_amx(enable: bool | None = None) -> bool:
+    """Whether gguf_matmul runs its batches of 16 rows and more on AMX tiles (compiled in for this CPU, granted by
+    the OS, and wanted). `enable` sets the wanting: both paths give the same bits, and the tests compare them."""
+    lib = library()
+    if lib is None or not gguf_matmul_available():
+        return False
+    return lib.gguf_amx(-1 if enable is None else int(enable)) == 1
+
+
 def paged_attention_available() -> bool:
     """AVX-512F and OpenMP (see paged_attention.c)."""
     return _built("paged_attention")
