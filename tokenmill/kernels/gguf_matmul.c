@@ -646,27 +646,29 @@ static void any_packed_group(int type, const uint8_t *w, const xblock *x, int64_
 /* --- AMX: a sub-block's sums for 16 rows in one tile product -----------------------------------------------
  *
  * Where the CPU has AMX and Linux grants the process the tile state, the exact int32 sums of a sub-block for 16 rows
- * and the group's 16 columns come from one tile product (tdpbssd / tdpbsud): the rows' activation codes (16 rows of
- * 32 bytes, their xblocks' q, a block's rows side by side in the scratch) against the sub-block's eight code vectors,
- * which are already the layout AMX's second operand takes (vector g is tile row g: elements 4g..4g+3 of every
- * column), by tdpbssd: Q8_0's codes signed as stored (no +128 and back), Q4_0's and Q5_0's less their offset as they
- * are decoded (code - offset, where VNNI subtracts offset x sum). The same integers, then the same float step per row
- * as rows_update, in the same order: the same bits as the VNNI and AVX2 paths. Only whole tiles of 16 rows go to
- * AMX; the rows left over take the VNNI path, so a row's result still does not depend on its batch.
+ * and the group's 16 columns come from one tile product: the rows' activation codes (16 rows of 32 bytes, their
+ * xblocks' q, a block's rows side by side in the scratch) against the sub-block's eight code vectors, which are
+ * already the layout AMX's second operand takes (vector g is tile row g: elements 4g..4g+3 of every column). Q8_0's
+ * codes go signed as stored (tdpbssd; no +128 and back), Q4_0's and Q5_0's signed less their offset as they are
+ * decoded (code - offset, where VNNI subtracts offset x sum), Q4_K's and Q5_K's unsigned (tdpbsud). The same
+ * integers, then the same float step per row as rows_update, in the same order: the same bits as the VNNI and AVX2
+ * paths. Only whole tiles of 16 rows go to AMX; the rows left over take the VNNI path, so a row's result still does
+ * not depend on its batch. Q6_K stays on VNNI (its halves of 16 would need two products of half the depth and two
+ * float steps a row).
  *
- * Where the time goes: the dot products are nearly free here, and what is left is the float step (three vector
- * operations a row and sub-block, the 16 rows' accumulators in registers) and moving the sums out of the tiles
+ * Where the time goes: the dot products are nearly free here; what is left is the AMX unit's own sequence (load,
+ * product, store: it runs one instruction after another, ~12 ns a block here), the float step (three vector
+ * operations a row and block, the 16 rows' accumulators in registers) and moving the sums out of the tiles
  * (tilestored, then a vector load a row). A tile load or a sum read straight behind the stores of its data waits for
- * them, so a group's codes are decoded once, before its row tiles, and the products of a batch of sub-blocks go out
- * a batch ahead of their float steps. The K-quants stay on VNNI: their minimums' step (and Q6_K's halves of 16, two
- * products of half the depth) measured slower on tiles than off at 16 rows. */
+ * them, so a group's codes are decoded once, before its row tiles, and each block's product goes out AMX_AHEAD
+ * blocks ahead of its float step (a ring of sums), so that the AMX unit and the vector units overlap. */
 #if defined(WITH_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
 #define WITH_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #define TILE_ROWS 16 /* a tile product costs the same for one row as for 16: fewer rows take the VNNI path */
-#define AMX_BATCH 8 /* sub-blocks whose products go out together, a batch ahead of their float steps */
+#define AMX_AHEAD 2 /* sub-blocks whose products go out ahead of the float step in hand */
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
@@ -687,7 +689,13 @@ int gguf_amx(int enable) {
     return amx_ready();
 }
 
-static inline int amx_takes(int type) { return type == Q8_0 || type == Q4_0 || type == Q5_0; }
+/* The rows from which a type goes to the tiles. Q8_0's codes stream straight into them; the others' are decoded first,
+ * in a pass of their own over the group's weights: at one tile of rows that pass (memory-bound) and the tile work
+ * (compute-bound) follow each other where VNNI overlaps the two, and in the engine's decode steps the layers ran
+ * slower on tiles, so those types wait for two tiles of rows (prefill), where the decoding serves them both. */
+static inline int amx_min_rows(int type) { return type == Q6_K ? INT32_MAX : type == Q8_0 ? TILE_ROWS : 2 * TILE_ROWS; }
+/* codes that go to the tiles signed: Q8_0's as stored, Q4_0's and Q5_0's less their offset; the K-quants' unsigned */
+static inline int amx_signed(int type) { return type == Q8_0 || type == Q4_0 || type == Q5_0; }
 
 /* The tiles, two of each so that consecutive products need not wait on each other: sums (16 rows x 16 int32
  * columns), activation codes (16 rows x 32 bytes), weight codes (8 rows of 16 columns x 4). Tile numbers are
@@ -718,86 +726,99 @@ static void amx_configure(void) {
 /* A group's Q4_0 or Q5_0 codes decoded once into `out` (packed_vector's eight vectors less the offset, 512 bytes a
  * block), for every row tile to load */
 ALWAYS_INLINE void decode_group(int type, const uint8_t *w, int64_t nb, uint8_t *out) {
-    const int64_t unit = packed_unit_bytes(type);
+    const int S = is_k(type) ? 8 : 1;
+    const int64_t unit = packed_unit_bytes(type), cb = code_bytes(type), codes_at = is_k(type) ? 320 : 32;
     const char *ahead = (const char *)w + PREFETCH_AHEAD;
     for (int64_t i = 0; i < nb; i++) {
-        const uint8_t *codes = w + i * unit + 32;
-        const char *end = (const char *)(codes + code_bytes(type)) + PREFETCH_AHEAD;
+        const uint8_t *codes = w + i / S * unit + codes_at + i % S * cb;
+        const char *end = (const char *)(codes + cb) + PREFETCH_AHEAD;
         for (; ahead < end; ahead += 64) _mm_prefetch(ahead, _MM_HINT_T1);
         for (int g = 0; g < 8; g++) {
-            ivec v = _mm512_sub_epi8(packed_vector(type, codes, g), _mm512_set1_epi8((char)code_offset(type)));
+            ivec v = packed_vector(type, codes, g);
+            if (amx_signed(type)) v = _mm512_sub_epi8(v, _mm512_set1_epi8((char)code_offset(type)));
             _mm512_store_si512(out + 512 * i + 64 * g, v);
         }
     }
 }
 
 static void any_decode_group(int type, const uint8_t *w, int64_t nb, uint8_t *out) {
-    if (type == Q4_0)
-        decode_group(Q4_0, w, nb, out);
-    else
-        decode_group(Q5_0, w, nb, out);
+    switch (type) {
+        case Q4_0: decode_group(Q4_0, w, nb, out); break;
+        case Q5_0: decode_group(Q5_0, w, nb, out); break;
+        case Q4_K: decode_group(Q4_K, w, nb, out); break;
+        default: decode_group(Q5_K, w, nb, out); break;
+    }
 }
 
 /* The exact sums of one sub-block's code vectors `wv` against 16 rows' activation blocks (`block`: the sub-block's
  * rows side by side) into sums; `odd` takes the other tiles */
-ALWAYS_INLINE void tile_sums(const uint8_t *wv, const xblock *block, int odd, int32_t *sums) {
+ALWAYS_INLINE void tile_sums(int type, const uint8_t *wv, const xblock *block, int odd, int32_t *sums) {
     const int64_t stride = sizeof(xblock);
     if (odd) {
         _tile_loadd(W1, wv, 64);
         _tile_zero(SUM1);
         _tile_loadd(X1, block->q, stride);
-        _tile_dpbssd(SUM1, X1, W1);
+        if (amx_signed(type))
+            _tile_dpbssd(SUM1, X1, W1);
+        else
+            _tile_dpbsud(SUM1, X1, W1);
         _tile_stored(SUM1, sums, 4 * GROUP);
     } else {
         _tile_loadd(W0, wv, 64);
         _tile_zero(SUM0);
         _tile_loadd(X0, block->q, stride);
-        _tile_dpbssd(SUM0, X0, W0);
+        if (amx_signed(type))
+            _tile_dpbssd(SUM0, X0, W0);
+        else
+            _tile_dpbsud(SUM0, X0, W0);
         _tile_stored(SUM0, sums, 4 * GROUP);
     }
 }
 
-/* The products of sub-blocks [i0, i0 + count) for one row tile into sums, TILE_ROWS x GROUP int32 each. Q8_0's codes
- * come straight from the stream (prefetched ahead as packed_group does), the others' from the group's decoding. */
-ALWAYS_INLINE void batch_sums(int type, const uint8_t *w, const uint8_t *decoded, const xblock *x, int64_t m,
-                              int64_t i0, int count, const char **ahead, int32_t *sums) {
-    for (int c = 0; c < count; c++) {
-        int64_t i = i0 + c;
-        const uint8_t *wv = decoded + 512 * i;
-        if (type == Q8_0) {
-            wv = w + i * packed_unit_bytes(Q8_0) + 32;
-            const char *end = (const char *)(wv + code_bytes(Q8_0)) + PREFETCH_AHEAD;
-            for (; *ahead < end; *ahead += 64) _mm_prefetch(*ahead, _MM_HINT_T1);
-        }
-        tile_sums(wv, x + i * m, c % 2, sums + c * TILE_ROWS * GROUP);
+/* The product of sub-block i for one row tile into sums (TILE_ROWS x GROUP int32). Q8_0's codes come straight from
+ * the stream (prefetched ahead as packed_group does), the others' from the group's decoding. */
+ALWAYS_INLINE void block_sums(int type, const uint8_t *w, const uint8_t *decoded, const xblock *x, int64_t m, int64_t i,
+                              const char **ahead, int32_t *sums) {
+    const uint8_t *wv = decoded + 512 * i;
+    if (type == Q8_0) {
+        wv = w + i * packed_unit_bytes(Q8_0) + 32;
+        const char *end = (const char *)(wv + code_bytes(Q8_0)) + PREFETCH_AHEAD;
+        for (; *ahead < end; *ahead += 64) _mm_prefetch(*ahead, _MM_HINT_T1);
     }
+    tile_sums(type, wv, x + i * m, (int)(i % 2), sums);
 }
 
 /* packed_group on AMX for one tile of 16 rows (block b of row r at x + b * m + r) into res[0..16): the same walk over
- * the blocks and the same float step as rows_update, the accumulators in registers */
+ * the sub-blocks, the same factors and the same float step as rows_update, the accumulators in registers. The
+ * products run AMX_AHEAD sub-blocks ahead of the float steps, in a ring of sums. */
 ALWAYS_INLINE void amx_group(int type, const uint8_t *w, const uint8_t *decoded, const xblock *x, int64_t nb, int64_t m,
                              fvec *res) {
-    int32_t sums[2][AMX_BATCH * TILE_ROWS * GROUP] __attribute__((aligned(64)));
-    fvec acc[TILE_ROWS];
-    for (int r = 0; r < TILE_ROWS; r++) acc[r] = fv_zero();
+    const int S = is_k(type) ? 8 : 1;
+    int32_t sums[AMX_AHEAD + 1][TILE_ROWS * GROUP] __attribute__((aligned(64)));
+    fvec acc[TILE_ROWS], *mins = res; /* the K-quants' minimums wait in res: the accumulators keep the registers */
+    for (int r = 0; r < TILE_ROWS; r++) acc[r] = mins[r] = fv_zero();
     const char *ahead = (const char *)w + PREFETCH_AHEAD;
-    batch_sums(type, w, decoded, x, m, 0, nb < AMX_BATCH ? (int)nb : AMX_BATCH, &ahead, sums[0]);
-    for (int64_t i0 = 0, n = 0; i0 < nb; i0 += AMX_BATCH, n++) {
-        int64_t count = nb - i0 < AMX_BATCH ? nb - i0 : AMX_BATCH, left = nb - i0 - count;
-        if (left) batch_sums(type, w, decoded, x, m, i0 + count, left < AMX_BATCH ? (int)left : AMX_BATCH, &ahead,
-                             sums[(n + 1) % 2]);
-        for (int64_t c = 0; c < count; c++) {
-            int64_t i = i0 + c;
-            fvec scale = fv_fp16(w + i * packed_unit_bytes(type));
-            const xblock *block = x + i * m;
-            const int32_t *s = sums[n % 2] + c * TILE_ROWS * GROUP;
-            for (int r = 0; r < TILE_ROWS; r++) {
-                ivec sum = _mm512_load_si512(s + GROUP * r);
-                acc[r] = fv_fma(fv_cvt(sum), fv_mul(scale, fv_set1(block[r].d)), acc[r]);
-            }
+    for (int64_t i = 0; i < AMX_AHEAD && i < nb; i++) block_sums(type, w, decoded, x, m, i, &ahead, sums[i]);
+    for (int64_t i = 0; i < nb; i++) {
+        if (i + AMX_AHEAD < nb)
+            block_sums(type, w, decoded, x, m, i + AMX_AHEAD, &ahead, sums[(i + AMX_AHEAD) % (AMX_AHEAD + 1)]);
+        const uint8_t *blk = w + i / S * packed_unit_bytes(type);
+        int j = (int)(i % S);
+        fvec scale = fv_fp16(blk), min = fv_zero();
+        if (type == Q4_K || type == Q5_K) {
+            min = fv_mul(fv_fp16(blk + 32), fv_u8_lanes(blk + 192 + 16 * j));
+            scale = fv_mul(scale, fv_u8_lanes(blk + 64 + 16 * j));
         }
+        const xblock *block = x + i * m;
+        const int32_t *s = sums[i % (AMX_AHEAD + 1)];
+        for (int r = 0; r < TILE_ROWS; r++) {
+            ivec sum = _mm512_load_si512(s + GROUP * r);
+            acc[r] = fv_fma(fv_cvt(sum), fv_mul(scale, fv_set1(block[r].d)), acc[r]);
+        }
+        if (type == Q4_K || type == Q5_K)
+            for (int r = 0; r < TILE_ROWS; r++) mins[r] = fv_fma(min, fv_set1(block_dsum(block + r)), mins[r]);
     }
-    for (int r = 0; r < TILE_ROWS; r++) res[r] = acc[r];
+    for (int r = 0; r < TILE_ROWS; r++) res[r] = fv_sub(acc[r], mins[r]);
 }
 
 static void any_amx_group(int type, const uint8_t *w, const uint8_t *decoded, const xblock *x, int64_t nb, int64_t m,
@@ -805,7 +826,9 @@ static void any_amx_group(int type, const uint8_t *w, const uint8_t *decoded, co
     switch (type) {
         case Q4_0: amx_group(Q4_0, w, decoded, x, nb, m, res); break;
         case Q5_0: amx_group(Q5_0, w, decoded, x, nb, m, res); break;
-        default: amx_group(Q8_0, w, decoded, x, nb, m, res); break;
+        case Q8_0: amx_group(Q8_0, w, decoded, x, nb, m, res); break;
+        case Q4_K: amx_group(Q4_K, w, decoded, x, nb, m, res); break;
+        default: amx_group(Q5_K, w, decoded, x, nb, m, res); break;
     }
 }
 #else
@@ -824,7 +847,7 @@ int gguf_matmul(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, in
     if (gguf_packed_bytes(type, n, k) < 0) return -1;
     int64_t nb = k / 32, groups = (n + GROUP - 1) / GROUP;
 #if defined(WITH_AMX)
-    const int amx = m >= TILE_ROWS && amx_takes(type) && amx_ready();
+    const int amx = m >= amx_min_rows(type) && amx_ready();
     /* each thread's decoding of a group's codes (Q4_0, Q5_0; the tiles take Q8_0's as stored) */
     uint8_t *decoding = amx && type != Q8_0 ? aligned_alloc(64, (size_t)(threads * nb * 512)) : NULL;
     if (amx && type != Q8_0 && decoding == NULL) return -2;
