@@ -128,7 +128,7 @@ AMX = ops.gguf_matmul_available() and ops.gguf_amx()
 @pytest.mark.skipif(not AMX, reason="no AMX here (or the OS does not grant its tile state)")
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 def test_the_amx_path_gives_the_vnni_paths_bits(t: T) -> None:
-    """Whole tiles of 16 rows go to AMX (Q4_0, Q5_0, Q8_0), the rows left over to VNNI: every row count, with a NaN
+    """Whole tiles of 16 rows go to AMX (all types but Q6_K), the rows left over to VNNI: every row count, with a NaN
     row among them, must give the bits of the VNNI path alone."""
     for n in (48, 45):
         raw, k = weights(t, n=n)

@@ -14,7 +14,7 @@
  * x with w's sign on AVX2, +128 and the activation sum on AVX-512), and every (row, column) pair sees the same float
  * operations in the same order whatever the other rows, the thread, or the instruction set.
  *
- * AMX (further down): on CPUs that have it, whole tiles of 16 rows of Q4_0, Q5_0 and Q8_0 take their exact block sums
+ * AMX (further down): on CPUs that have it, whole tiles of 16 rows of every type but Q6_K take their exact block sums
  * from tile products instead, with the same float step: the same bits.
  *
  * Threads: OpenMP over the column groups (each thread streams its own part of W), which resolves to torch's own
@@ -660,8 +660,9 @@ static void any_packed_group(int type, const uint8_t *w, const xblock *x, int64_
  * product, store: it runs one instruction after another, ~12 ns a block here), the float step (three vector
  * operations a row and block, the 16 rows' accumulators in registers) and moving the sums out of the tiles
  * (tilestored, then a vector load a row). A tile load or a sum read straight behind the stores of its data waits for
- * them, so a group's codes are decoded once, before its row tiles, and each block's product goes out AMX_AHEAD
- * blocks ahead of its float step (a ring of sums), so that the AMX unit and the vector units overlap. */
+ * them, so a group's codes are decoded once, by its first row tile, DECODE_AHEAD sub-blocks ahead of their product,
+ * and each product goes out AMX_AHEAD sub-blocks ahead of its float step (a ring of sums), so that the AMX unit, the
+ * vector units and the weight stream overlap. */
 #if defined(WITH_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
 #define WITH_AMX 1
 #include <sys/syscall.h>
@@ -669,6 +670,10 @@ static void any_packed_group(int type, const uint8_t *w, const xblock *x, int64_
 
 #define TILE_ROWS 16 /* a tile product costs the same for one row as for 16: fewer rows take the VNNI path */
 #define AMX_AHEAD 2 /* sub-blocks whose products go out ahead of the float step in hand */
+/* Q4_0, Q5_0 and the K-quants: sub-blocks whose codes the first row tile decodes (for all the group's row tiles)
+ * ahead of their product, so that a tile load does not wait for the stores of its data, and the decoding, which reads
+ * the weights from memory, overlaps the tile work (a pass of its own before it did not, and at 16 rows lost to VNNI) */
+#define DECODE_AHEAD (AMX_AHEAD + 2)
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
@@ -689,11 +694,7 @@ int gguf_amx(int enable) {
     return amx_ready();
 }
 
-/* The rows from which a type goes to the tiles. Q8_0's codes stream straight into them; the others' are decoded first,
- * in a pass of their own over the group's weights: at one tile of rows that pass (memory-bound) and the tile work
- * (compute-bound) follow each other where VNNI overlaps the two, and in the engine's decode steps the layers ran
- * slower on tiles, so those types wait for two tiles of rows (prefill), where the decoding serves them both. */
-static inline int amx_min_rows(int type) { return type == Q6_K ? INT32_MAX : type == Q8_0 ? TILE_ROWS : 2 * TILE_ROWS; }
+static inline int amx_takes(int type) { return type != Q6_K; }
 /* codes that go to the tiles signed: Q8_0's as stored, Q4_0's and Q5_0's less their offset; the K-quants' unsigned */
 static inline int amx_signed(int type) { return type == Q8_0 || type == Q4_0 || type == Q5_0; }
 
@@ -723,30 +724,17 @@ static void amx_configure(void) {
     _tile_loadconfig(&c);
 }
 
-/* A group's Q4_0 or Q5_0 codes decoded once into `out` (packed_vector's eight vectors less the offset, 512 bytes a
- * block), for every row tile to load */
-ALWAYS_INLINE void decode_group(int type, const uint8_t *w, int64_t nb, uint8_t *out) {
+/* Sub-block i's codes decoded into out + 512 i: packed_vector's eight vectors, Q4_0's and Q5_0's less their offset */
+ALWAYS_INLINE void decode_block(int type, const uint8_t *w, int64_t i, const char **ahead, uint8_t *out) {
     const int S = is_k(type) ? 8 : 1;
-    const int64_t unit = packed_unit_bytes(type), cb = code_bytes(type), codes_at = is_k(type) ? 320 : 32;
-    const char *ahead = (const char *)w + PREFETCH_AHEAD;
-    for (int64_t i = 0; i < nb; i++) {
-        const uint8_t *codes = w + i / S * unit + codes_at + i % S * cb;
-        const char *end = (const char *)(codes + cb) + PREFETCH_AHEAD;
-        for (; ahead < end; ahead += 64) _mm_prefetch(ahead, _MM_HINT_T1);
-        for (int g = 0; g < 8; g++) {
-            ivec v = packed_vector(type, codes, g);
-            if (amx_signed(type)) v = _mm512_sub_epi8(v, _mm512_set1_epi8((char)code_offset(type)));
-            _mm512_store_si512(out + 512 * i + 64 * g, v);
-        }
-    }
-}
-
-static void any_decode_group(int type, const uint8_t *w, int64_t nb, uint8_t *out) {
-    switch (type) {
-        case Q4_0: decode_group(Q4_0, w, nb, out); break;
-        case Q5_0: decode_group(Q5_0, w, nb, out); break;
-        case Q4_K: decode_group(Q4_K, w, nb, out); break;
-        default: decode_group(Q5_K, w, nb, out); break;
+    const int64_t cb = code_bytes(type);
+    const uint8_t *codes = w + i / S * packed_unit_bytes(type) + (is_k(type) ? 320 : 32) + i % S * cb;
+    const char *end = (const char *)(codes + cb) + PREFETCH_AHEAD;
+    for (; *ahead < end; *ahead += 64) _mm_prefetch(*ahead, _MM_HINT_T1);
+    for (int g = 0; g < 8; g++) {
+        ivec v = packed_vector(type, codes, g);
+        if (amx_signed(type)) v = _mm512_sub_epi8(v, _mm512_set1_epi8((char)code_offset(type)));
+        _mm512_store_si512(out + 512 * i + 64 * g, v);
     }
 }
 
@@ -791,15 +779,18 @@ ALWAYS_INLINE void block_sums(int type, const uint8_t *w, const uint8_t *decoded
 /* packed_group on AMX for one tile of 16 rows (block b of row r at x + b * m + r) into res[0..16): the same walk over
  * the sub-blocks, the same factors and the same float step as rows_update, the accumulators in registers. The
  * products run AMX_AHEAD sub-blocks ahead of the float steps, in a ring of sums. */
-ALWAYS_INLINE void amx_group(int type, const uint8_t *w, const uint8_t *decoded, const xblock *x, int64_t nb, int64_t m,
-                             fvec *res) {
+ALWAYS_INLINE void amx_group(int type, const uint8_t *w, uint8_t *decoded, int decode, const xblock *x, int64_t nb,
+                             int64_t m, fvec *res) {
     const int S = is_k(type) ? 8 : 1;
     int32_t sums[AMX_AHEAD + 1][TILE_ROWS * GROUP] __attribute__((aligned(64)));
     fvec acc[TILE_ROWS], *mins = res; /* the K-quants' minimums wait in res: the accumulators keep the registers */
     for (int r = 0; r < TILE_ROWS; r++) acc[r] = mins[r] = fv_zero();
     const char *ahead = (const char *)w + PREFETCH_AHEAD;
+    if (decode)
+        for (int64_t i = 0; i < DECODE_AHEAD && i < nb; i++) decode_block(type, w, i, &ahead, decoded);
     for (int64_t i = 0; i < AMX_AHEAD && i < nb; i++) block_sums(type, w, decoded, x, m, i, &ahead, sums[i]);
     for (int64_t i = 0; i < nb; i++) {
+        if (decode && i + DECODE_AHEAD < nb) decode_block(type, w, i + DECODE_AHEAD, &ahead, decoded);
         if (i + AMX_AHEAD < nb)
             block_sums(type, w, decoded, x, m, i + AMX_AHEAD, &ahead, sums[(i + AMX_AHEAD) % (AMX_AHEAD + 1)]);
         const uint8_t *blk = w + i / S * packed_unit_bytes(type);
@@ -821,14 +812,14 @@ ALWAYS_INLINE void amx_group(int type, const uint8_t *w, const uint8_t *decoded,
     for (int r = 0; r < TILE_ROWS; r++) res[r] = fv_sub(acc[r], mins[r]);
 }
 
-static void any_amx_group(int type, const uint8_t *w, const uint8_t *decoded, const xblock *x, int64_t nb, int64_t m,
-                          fvec *res) {
+static void any_amx_group(int type, const uint8_t *w, uint8_t *decoded, int decode, const xblock *x, int64_t nb,
+                          int64_t m, fvec *res) {
     switch (type) {
-        case Q4_0: amx_group(Q4_0, w, decoded, x, nb, m, res); break;
-        case Q5_0: amx_group(Q5_0, w, decoded, x, nb, m, res); break;
-        case Q8_0: amx_group(Q8_0, w, decoded, x, nb, m, res); break;
-        case Q4_K: amx_group(Q4_K, w, decoded, x, nb, m, res); break;
-        default: amx_group(Q5_K, w, decoded, x, nb, m, res); break;
+        case Q4_0: amx_group(Q4_0, w, decoded, decode, x, nb, m, res); break;
+        case Q5_0: amx_group(Q5_0, w, decoded, decode, x, nb, m, res); break;
+        case Q8_0: amx_group(Q8_0, w, decoded, 0, x, nb, m, res); break;
+        case Q4_K: amx_group(Q4_K, w, decoded, decode, x, nb, m, res); break;
+        default: amx_group(Q5_K, w, decoded, decode, x, nb, m, res); break;
     }
 }
 #else
@@ -847,8 +838,8 @@ int gguf_matmul(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, in
     if (gguf_packed_bytes(type, n, k) < 0) return -1;
     int64_t nb = k / 32, groups = (n + GROUP - 1) / GROUP;
 #if defined(WITH_AMX)
-    const int amx = m >= amx_min_rows(type) && amx_ready();
-    /* each thread's decoding of a group's codes (Q4_0, Q5_0; the tiles take Q8_0's as stored) */
+    const int amx = m >= TILE_ROWS && amx_takes(type) && amx_ready();
+    /* each thread's decoding of a group's codes (all but Q8_0, whose codes the tiles take as stored) */
     uint8_t *decoding = amx && type != Q8_0 ? aligned_alloc(64, (size_t)(threads * nb * 512)) : NULL;
     if (amx && type != Q8_0 && decoding == NULL) return -2;
 #else
@@ -882,9 +873,9 @@ int gguf_matmul(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, in
 #if defined(WITH_AMX)
             int64_t tiled = 0; /* rows done on AMX: whole tiles of 16 */
             if (amx) {
-                if (decoded && r0 == 0) any_decode_group(type, w + g * group_bytes, nb, decoded);
-                for (; tiled + TILE_ROWS <= rows; tiled += TILE_ROWS)
-                    any_amx_group(type, w + g * group_bytes, decoded, x + r0 + tiled, nb, m, res + tiled);
+                for (; tiled + TILE_ROWS <= rows; tiled += TILE_ROWS) /* the first tile decodes the group's codes */
+                    any_amx_group(type, w + g * group_bytes, decoded, decoded && r0 + tiled == 0, x + r0 + tiled, nb, m,
+                                  res + tiled);
             }
 #else
             const int64_t tiled = 0;
