@@ -656,9 +656,9 @@ static void any_packed_group(int type, const uint8_t *w, const xblock *x, int64_
  * not depend on its batch. Q6_K stays on VNNI (its halves of 16 would need two products of half the depth and two
  * float steps a row).
  *
- * Where the time goes: the dot products are nearly free here; what is left is the AMX unit's own sequence (load,
- * product, store: it runs one instruction after another, ~12 ns a block here), the float step (three vector
- * operations a row and block, the 16 rows' accumulators in registers) and moving the sums out of the tiles
+ * Where the time goes (the README has the figures): the dot products are nearly free here; what is left is the AMX
+ * unit's own sequence of load, product and store, which it runs one instruction after another, the float step (three
+ * vector operations a row and block, the 16 rows' accumulators in registers) and moving the sums out of the tiles
  * (tilestored, then a vector load a row). A tile load or a sum read straight behind the stores of its data waits for
  * them, so a group's codes are decoded once, by its first row tile, DECODE_AHEAD sub-blocks ahead of their product,
  * and each product goes out AMX_AHEAD sub-blocks ahead of its float step (a ring of sums), so that the AMX unit, the
