@@ -736,6 +736,9 @@ ALWAYS_INLINE void decode_block(int type, const uint8_t *w, int64_t i, const cha
         if (amx_signed(type)) v = _mm512_sub_epi8(v, _mm512_set1_epi8((char)code_offset(type)));
         _mm512_store_si512(out + 512 * i + 64 * g, v);
     }
+    /* the compiler does not know that a tile load reads these bytes (its intrinsic declares no memory operand):
+     * keep the stores ahead of every later tile load */
+    __asm__ volatile("" ::: "memory");
 }
 
 /* The exact sums of one sub-block's code vectors `wv` against 16 rows' activation blocks (`block`: the sub-block's
