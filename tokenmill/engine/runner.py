@@ -20,6 +20,7 @@ class ModelRunner:
         self.block_size = block_size
         self.dtype = next(model.parameters()).dtype
         self.kv_caches = allocate_kv_tensors(cfg, num_blocks, block_size, self.dtype)
+        self._offsets = torch.arange(block_size)
 
     @torch.inference_mode()
     def forward(self, batch: Seq[Scheduled]) -> torch.Tensor:
@@ -35,17 +36,23 @@ class ModelRunner:
     def prepare(self, batch: Seq[Scheduled]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         ids: list[int] = []
         pos: list[int] = []
-        slots: list[torch.Tensor] = []
-        kv_slots: list[torch.Tensor] = []
         context_lens: list[int] = []
+        blocks: list[int] = []  # each sequence's blocks that hold its context, back to back
         for s in batch:
             start, end = s.seq.num_computed_tokens, s.seq.num_computed_tokens + s.num_tokens
             ids.extend(s.seq.token_ids[start:end])
             pos.extend(range(start, end))
-            seq_slots = self._slots(s.seq.block_table, end)  # (end,)
-            slots.append(seq_slots[start:end])
-            kv_slots.append(seq_slots)
             context_lens.append(end)
+            blocks.extend(s.seq.block_table[: -(-end // self.block_size)])
+        # every sequence's cache slots in one tensor op (a decode step has a dozen sequences or more); each
+        # sequence's are a view of it
+        all_slots = (torch.tensor(blocks, dtype=torch.long)[:, None] * self.block_size + self._offsets).flatten()
+        kv_slots: list[torch.Tensor] = []
+        at = 0
+        for end in context_lens:
+            kv_slots.append(all_slots[at : at + end])
+            at += -(-end // self.block_size) * self.block_size
+        slots = [seq_slots[end - s.num_tokens :] for seq_slots, end, s in zip(kv_slots, context_lens, batch)]
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slots),
             query_lens=[s.num_tokens for s in batch],
@@ -53,11 +60,6 @@ class ModelRunner:
             kv_slots=kv_slots,
         )
         return torch.tensor(ids), torch.tensor(pos), meta
-
-    def _slots(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
-        blocks = torch.tensor(block_table, dtype=torch.long)
-        offsets = torch.arange(self.block_size)
-        return (blocks[:, None] * self.block_size + offsets[None, :]).flatten()[:num_tokens]
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one block's K/V in every layer (a forked sequence's private copy of a shared partial block)."""

@@ -1,0 +1,42 @@
+"""ModelRunner.prepare: the step's ids, positions and cache slots, from the scheduled sequences."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from tokenmill.engine.runner import ModelRunner
+
+
+def scheduled(context: int, new: int, first_block: int) -> SimpleNamespace:
+    """A sequence of `context` tokens whose last `new` are computed in this step, its blocks numbered from
+    first_block in reverse (slots must follow the table, not the numbering)."""
+    blocks = [first_block + 9 - b for b in range(-(-context // 4) + 1)]  # one block more than needed
+    seq = SimpleNamespace(
+        num_computed_tokens=context - new, token_ids=list(range(100, 100 + context)), block_table=blocks
+    )
+    return SimpleNamespace(seq=seq, num_tokens=new)
+
+
+def test_each_position_gets_the_slot_its_block_table_gives_it() -> None:
+    runner = ModelRunner.__new__(ModelRunner)  # prepare needs the block size alone
+    runner.block_size, runner._offsets = 4, torch.arange(4)
+    batch = [scheduled(9, 1, 0), scheduled(6, 6, 20), scheduled(4, 1, 40), scheduled(13, 5, 60)]  # decodes, prefills
+    ids, pos, meta = runner.prepare(batch)  # type: ignore[arg-type]
+    expected_pos = [
+        p for s in batch for p in range(s.seq.num_computed_tokens, s.seq.num_computed_tokens + s.num_tokens)
+    ]
+    assert pos.tolist() == expected_pos
+    assert ids.tolist() == [100 + p for p in expected_pos]
+    for s, slots, context in zip(batch, meta.kv_slots, meta.context_lens):
+        table = s.seq.block_table
+        assert context == s.seq.num_computed_tokens + s.num_tokens
+        assert slots.tolist() == [table[p // 4] * 4 + p % 4 for p in range(context)]
+    starts = [s.seq.num_computed_tokens for s in batch]
+    assert meta.slot_mapping.tolist() == [
+        int(slots[p])
+        for slots, start, context in zip(meta.kv_slots, starts, meta.context_lens)
+        for p in range(start, context)
+    ]
+    assert meta.query_lens == [1, 6, 1, 5]
