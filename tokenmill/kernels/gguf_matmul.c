@@ -540,6 +540,29 @@ static inline float block_dsum(const xblock *xb) {
     return v;
 }
 
+/* where a unit's codes start in the packed layout: past d (and the K-quants' dmin, scales and mins) */
+static inline int64_t codes_at(int type) { return type == Q4_K || type == Q5_K ? 320 : type == Q6_K ? 288 : 32; }
+
+/* sub-block j's float factors from its unit `blk`, whose d is `d` */
+ALWAYS_INLINE factors sub_block_factors(int type, const uint8_t *blk, fvec d, int j) {
+    factors f = {d, d, d};
+    if (type == Q4_K || type == Q5_K) {
+        f.scale = fv_mul(d, fv_u8_lanes(blk + 64 + 16 * j));
+        f.min = fv_mul(fv_fp16(blk + 32), fv_u8_lanes(blk + 192 + 16 * j));
+    } else if (type == Q6_K) { /* each half's int8 scale folded into the float factor */
+        f.scale = fv_mul(d, fv_cvt(iv_i8_lanes(blk + 32 + 16 * j)));
+        f.scale_hi = fv_mul(d, fv_cvt(iv_i8_lanes(blk + 160 + 16 * j)));
+    }
+    return f;
+}
+
+/* Each thread's weights are one stream: ask for its lines into L2 (prefetcht1), one at a time, up to PREFETCH_AHEAD
+ * bytes past `used` (see PREFETCH_AHEAD); *ahead is the next line to ask for */
+static inline void prefetch_through(const char **ahead, const uint8_t *used) {
+    const char *end = (const char *)used + PREFETCH_AHEAD;
+    for (; *ahead < end; *ahead += 64) _mm_prefetch(*ahead, _MM_HINT_T1);
+}
+
 /* R rows' update by one sub-block: the exact int32 sums of the decoded vectors against each row's block (from the
  * offset quantize_rows left), then one float step per row (K-quants' minimums in `mins`). Q6_K's halves (elements
  * 0-15, 16-31) are summed apart. */
@@ -601,18 +624,10 @@ ALWAYS_INLINE void packed_group(int type, const uint8_t *w, const xblock *x, int
     for (int64_t u = 0; u < nb / S; u++) {
         const uint8_t *blk = w + u * unit;
         fvec d = fv_fp16(blk);
-        const uint8_t *codes = blk + (type == Q4_K || type == Q5_K ? 320 : type == Q6_K ? 288 : 32);
+        const uint8_t *codes = blk + codes_at(type);
         for (int j = 0; j < S; j++) {
-            factors f = {d, d, d};
-            if (type == Q4_K || type == Q5_K) {
-                f.scale = fv_mul(d, fv_u8_lanes(blk + 64 + 16 * j));
-                f.min = fv_mul(fv_fp16(blk + 32), fv_u8_lanes(blk + 192 + 16 * j));
-            } else if (type == Q6_K) { /* each half's int8 scale folded into the float factor */
-                f.scale = fv_mul(d, fv_cvt(iv_i8_lanes(blk + 32 + 16 * j)));
-                f.scale_hi = fv_mul(d, fv_cvt(iv_i8_lanes(blk + 160 + 16 * j)));
-            }
-            const char *end = (const char *)(codes + (j + 1) * code_bytes(type)) + PREFETCH_AHEAD;
-            for (; ahead < end; ahead += 64) _mm_prefetch(ahead, _MM_HINT_T1);
+            factors f = sub_block_factors(type, blk, d, j);
+            prefetch_through(&ahead, codes + (j + 1) * code_bytes(type));
             ivec vec[8];
             for (int g = 0; g < 8; g++) vec[g] = packed_vector(type, codes + j * code_bytes(type), g);
             const xblock *block = x + (u * S + j) * m; /* this sub-block's rows, side by side */
@@ -727,10 +742,8 @@ static void amx_configure(void) {
 /* Sub-block i's codes decoded into out + 512 i: packed_vector's eight vectors, Q4_0's and Q5_0's less their offset */
 ALWAYS_INLINE void decode_block(int type, const uint8_t *w, int64_t i, const char **ahead, uint8_t *out) {
     const int S = is_k(type) ? 8 : 1;
-    const int64_t cb = code_bytes(type);
-    const uint8_t *codes = w + i / S * packed_unit_bytes(type) + (is_k(type) ? 320 : 32) + i % S * cb;
-    const char *end = (const char *)(codes + cb) + PREFETCH_AHEAD;
-    for (; *ahead < end; *ahead += 64) _mm_prefetch(*ahead, _MM_HINT_T1);
+    const uint8_t *codes = w + i / S * packed_unit_bytes(type) + codes_at(type) + i % S * code_bytes(type);
+    prefetch_through(ahead, codes + code_bytes(type));
     for (int g = 0; g < 8; g++) {
         ivec v = packed_vector(type, codes, g);
         if (amx_signed(type)) v = _mm512_sub_epi8(v, _mm512_set1_epi8((char)code_offset(type)));
@@ -744,26 +757,23 @@ ALWAYS_INLINE void decode_block(int type, const uint8_t *w, int64_t i, const cha
 /* The exact sums of one sub-block's code vectors `wv` against 16 rows' activation blocks (`block`: the sub-block's
  * rows side by side) into sums; `odd` takes the other tiles */
 ALWAYS_INLINE void tile_sums(int type, const uint8_t *wv, const xblock *block, int odd, int32_t *sums) {
-    const int64_t stride = sizeof(xblock);
-    if (odd) {
-        _tile_loadd(W1, wv, 64);
-        _tile_zero(SUM1);
-        _tile_loadd(X1, block->q, stride);
-        if (amx_signed(type))
-            _tile_dpbssd(SUM1, X1, W1);
-        else
-            _tile_dpbsud(SUM1, X1, W1);
-        _tile_stored(SUM1, sums, 4 * GROUP);
-    } else {
-        _tile_loadd(W0, wv, 64);
-        _tile_zero(SUM0);
-        _tile_loadd(X0, block->q, stride);
-        if (amx_signed(type))
-            _tile_dpbssd(SUM0, X0, W0);
-        else
-            _tile_dpbsud(SUM0, X0, W0);
-        _tile_stored(SUM0, sums, 4 * GROUP);
-    }
+/* one product on the tile set (sums, activations, weights): the intrinsics take tile numbers as literals */
+#define TILE_PRODUCT(S, X, W)                                        \
+    do {                                                             \
+        _tile_loadd(W, wv, 64);                                      \
+        _tile_zero(S);                                               \
+        _tile_loadd(X, block->q, (int64_t)sizeof(xblock));           \
+        if (amx_signed(type))                                        \
+            _tile_dpbssd(S, X, W);                                   \
+        else                                                         \
+            _tile_dpbsud(S, X, W);                                   \
+        _tile_stored(S, sums, 4 * GROUP);                            \
+    } while (0)
+    if (odd)
+        TILE_PRODUCT(SUM1, X1, W1);
+    else
+        TILE_PRODUCT(SUM0, X0, W0);
+#undef TILE_PRODUCT
 }
 
 /* The product of sub-block i for one row tile into sums (TILE_ROWS x GROUP int32). Q8_0's codes come straight from
@@ -772,9 +782,8 @@ ALWAYS_INLINE void block_sums(int type, const uint8_t *w, const uint8_t *decoded
                               const char **ahead, int32_t *sums) {
     const uint8_t *wv = decoded + 512 * i;
     if (type == Q8_0) {
-        wv = w + i * packed_unit_bytes(Q8_0) + 32;
-        const char *end = (const char *)(wv + code_bytes(Q8_0)) + PREFETCH_AHEAD;
-        for (; *ahead < end; *ahead += 64) _mm_prefetch(*ahead, _MM_HINT_T1);
+        wv = w + i * packed_unit_bytes(Q8_0) + codes_at(Q8_0);
+        prefetch_through(ahead, wv + code_bytes(Q8_0));
     }
     tile_sums(type, wv, x + i * m, (int)(i % 2), sums);
 }
@@ -797,20 +806,15 @@ ALWAYS_INLINE void amx_group(int type, const uint8_t *w, uint8_t *decoded, int d
         if (i + AMX_AHEAD < nb)
             block_sums(type, w, decoded, x, m, i + AMX_AHEAD, &ahead, sums[(i + AMX_AHEAD) % (AMX_AHEAD + 1)]);
         const uint8_t *blk = w + i / S * packed_unit_bytes(type);
-        int j = (int)(i % S);
-        fvec scale = fv_fp16(blk), min = fv_zero();
-        if (type == Q4_K || type == Q5_K) {
-            min = fv_mul(fv_fp16(blk + 32), fv_u8_lanes(blk + 192 + 16 * j));
-            scale = fv_mul(scale, fv_u8_lanes(blk + 64 + 16 * j));
-        }
+        factors f = sub_block_factors(type, blk, fv_fp16(blk), (int)(i % S));
         const xblock *block = x + i * m;
         const int32_t *s = sums[i % (AMX_AHEAD + 1)];
         for (int r = 0; r < TILE_ROWS; r++) {
             ivec sum = _mm512_load_si512(s + GROUP * r);
-            acc[r] = fv_fma(fv_cvt(sum), fv_mul(scale, fv_set1(block[r].d)), acc[r]);
+            acc[r] = fv_fma(fv_cvt(sum), fv_mul(f.scale, fv_set1(block[r].d)), acc[r]);
         }
         if (type == Q4_K || type == Q5_K)
-            for (int r = 0; r < TILE_ROWS; r++) mins[r] = fv_fma(min, fv_set1(block_dsum(block + r)), mins[r]);
+            for (int r = 0; r < TILE_ROWS; r++) mins[r] = fv_fma(f.min, fv_set1(block_dsum(block + r)), mins[r]);
     }
     for (int r = 0; r < TILE_ROWS; r++) res[r] = fv_sub(acc[r], mins[r]);
 }
