@@ -38,20 +38,18 @@ class ModelRunner:
         pos: list[int] = []
         context_lens: list[int] = []
         blocks: list[int] = []  # each sequence's blocks that hold its context, back to back
+        starts: list[int] = []  # where each sequence's slots begin among all of them
         for s in batch:
             start, end = s.seq.num_computed_tokens, s.seq.num_computed_tokens + s.num_tokens
             ids.extend(s.seq.token_ids[start:end])
             pos.extend(range(start, end))
             context_lens.append(end)
+            starts.append(len(blocks) * self.block_size)
             blocks.extend(s.seq.block_table[: -(-end // self.block_size)])
         # every sequence's cache slots in one tensor op (a decode step has a dozen sequences or more); each
         # sequence's are a view of it
         all_slots = (torch.tensor(blocks, dtype=torch.long)[:, None] * self.block_size + self._offsets).flatten()
-        kv_slots: list[torch.Tensor] = []
-        at = 0
-        for end in context_lens:
-            kv_slots.append(all_slots[at : at + end])
-            at += -(-end // self.block_size) * self.block_size
+        kv_slots = [all_slots[at : at + end] for at, end in zip(starts, context_lens)]
         slots = [seq_slots[end - s.num_tokens :] for seq_slots, end, s in zip(kv_slots, context_lens, batch)]
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slots),
