@@ -1,4 +1,5 @@
-"""A real `tokenmill serve` process on the tiny model (127.0.0.1 only): overload, SIGTERM drain, grace expiry.
+"""A real `tokenmill serve` process on the tiny model (127.0.0.1 only): overload, SIGTERM drain, grace expiry; and
+what serve() does before uvicorn runs.
 
 Every loop here is bounded in count and in time; the process is always stopped (killed if it will not stop).
 """
@@ -6,14 +7,20 @@ Every loop here is bounded in count and in time; the process is always stopped (
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.api.api_helpers import parse_sse
+from tests.api.fake_engine import FakeEngine
 from tests.api.server_process import Server, serve
+from tokenmill.api import serve as serve_module
+from tokenmill.api.app import create_app
+from tokenmill.config import Config
 
 NO_EOS = {"1": -100}  # the tiny tokenizer's <eos>: these requests run to max_tokens
 
@@ -128,3 +135,13 @@ def test_past_the_grace_period_what_still_runs_ends_with_503_and_the_process_exi
     assert set(plain) <= {200, 503} and 503 in plain
     assert all(r.json()["error"]["code"] == "service_unavailable" for r in responses[1:] if r.status_code == 503)
     assert "grace period over" in server.log.read_text()
+
+
+def test_serve_freezes_what_loading_left_before_the_server_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    frozen_when_run: list[int] = []
+    monkeypatch.setattr(serve_module.DrainingServer, "run", lambda self: frozen_when_run.append(gc.get_freeze_count()))
+    try:
+        assert serve_module.serve(create_app(FakeEngine(), Config()), Config()) == 0
+        assert frozen_when_run and frozen_when_run[0] > 0
+    finally:
+        gc.unfreeze()

@@ -1,10 +1,14 @@
-"""What engine/build.py says of the engine it built: the description the start-up banner shows."""
+"""What engine/build.py says of the engine it built (the description the start-up banner shows), and what a server
+does with the objects loading left."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 from tests.engine.tiny import tiny_core
 from tokenmill.config import Config
-from tokenmill.engine.build import describe, kernels_in_use
+from tokenmill.engine.build import describe, freeze_loaded_objects, kernels_in_use
 from tokenmill.kernels import ops
 
 BF16_ONLY = {"fused", "paged_attention", "gelu_mul", "int8_matmul", "gguf_matmul", "gguf_amx"}
@@ -38,3 +42,20 @@ def test_the_banner_leaves_amx_out_when_it_is_not_wanted() -> None:
         assert "gguf_amx" not in kernels_in_use("bfloat16", "gguf")
     finally:
         ops.gguf_amx(was)
+
+
+def test_freezing_after_loading_keeps_live_objects_out_of_collections_and_collects_garbage_first() -> None:
+    class Node:
+        other: object = None
+
+    alive, garbage = Node(), Node()
+    garbage.other = garbage  # a cycle: only the collector frees it
+    dead = weakref.ref(garbage)
+    del garbage
+    try:
+        freeze_loaded_objects()
+        assert dead() is None  # collected first, not frozen
+        assert gc.get_freeze_count() > 0
+        assert not any(obj is alive for obj in gc.get_objects())  # in no generation a collection walks
+    finally:
+        gc.unfreeze()

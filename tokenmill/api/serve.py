@@ -27,6 +27,7 @@ from tokenmill.api.admission import Admission
 from tokenmill.api.app import stop_engines
 from tokenmill.api.banner import log_banner, url_of
 from tokenmill.config import Config
+from tokenmill.engine.build import freeze_loaded_objects
 
 log = logging.getLogger(__name__)
 
@@ -100,5 +101,6 @@ def serve(app: FastAPI, config: Config) -> int:
     def banner(url: str) -> None:
         log_banner(url, app.state.engines.values(), with_key=bool(config.api_key))
 
+    freeze_loaded_objects()  # the models are loaded and the app built: what is alive now stays
     DrainingServer(uv_config, admission, config.shutdown_grace_s, lambda: stop_engines(app), banner).run()
     return 0

@@ -23,6 +23,7 @@ from ray import serve
 
 from tokenmill.api.logs import configure_logging
 from tokenmill.config import Config
+from tokenmill.engine.build import freeze_loaded_objects
 from tokenmill.engine.core import EngineStats
 from tokenmill.engine.engine import AsyncEngine
 from tokenmill.engine.outputs import EngineDescription, RequestOutput, StepReport
@@ -83,6 +84,7 @@ class EngineReplica:
         configure_logging(config.log_level, config.log_format)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.engine = AsyncEngine.from_config(config)
+        freeze_loaded_objects()  # no full collection walks the loaded model's objects again
         self.steps = StepLog()
         self.engine.add_step_observer(self.steps.observe)
         await self.engine.start()
