@@ -72,6 +72,9 @@ class Config:
     )
     max_num_seqs: int = _opt(64, "most sequences decoded in one step")
     max_num_batched_tokens: int = _opt(1024, "token budget of one engine step (prefill chunks + decodes)")
+    max_num_prefills: int = _opt(
+        4, "most prompts prefilled in one step (a burst is taken a few at a time: earlier first tokens)"
+    )
     threads: int | None = _opt(None, "torch intra-op threads; default: all cores")
     # --- server ---
     host: str = _opt("127.0.0.1", "address to listen on")
@@ -143,8 +146,8 @@ class Config:
             raise ConfigError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.weight_quantization != "none" and self.dtype != "bfloat16":
             raise ConfigError("weight-only quantisation runs with bfloat16 activations: add --dtype bfloat16")
-        if self.block_size <= 0 or self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
-            raise ConfigError("block_size, max_num_seqs and max_num_batched_tokens must be positive")
+        if min(self.block_size, self.max_num_seqs, self.max_num_batched_tokens, self.max_num_prefills) <= 0:
+            raise ConfigError("block_size, max_num_seqs, max_num_batched_tokens and max_num_prefills must be positive")
         if min(self.max_waiting_requests, self.max_waiting_tokens, self.max_request_bytes) <= 0:
             raise ConfigError("max_waiting_requests, max_waiting_tokens and max_request_bytes must be positive")
         if self.request_timeout_s < 0 or self.shutdown_grace_s < 0:

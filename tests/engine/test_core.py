@@ -166,3 +166,45 @@ def test_a_sequence_computes_the_same_numbers_alone_and_under_load() -> None:
     got = run_all(loaded)["t"]
     lp = [(e.token_id, e.logprob) for o in got for d in o.deltas for e in d.logprobs or []]
     assert lp == [(e.token_id, e.logprob) for o in expected for d in o.deltas for e in d.logprobs or []]
+
+
+def test_a_burst_is_prefilled_a_few_prompts_a_step_while_the_first_ones_decode() -> None:
+    prompts = [TOK.encode(f"prompt number {i}") for i in range(10)]
+    capped, uncapped = (tiny_core(max_num_prefills=cap, max_num_batched_tokens=256) for cap in (4, 64))
+    for core in (capped, uncapped):
+        for i, p in enumerate(prompts):
+            core.add_request(str(i), p, greedy(6))
+    outputs: dict[str, list[RequestOutput]] = {}
+    have_a_token = []  # after each of the capped core's first three steps: requests with a token so far
+    for _ in range(3):
+        for out in capped.step():
+            outputs.setdefault(out.request_id, []).append(out)
+        have_a_token.append(sum(1 for outs in outputs.values() if choice_tokens(outs)))
+    assert have_a_token == [4, 8, 10]  # 4 new prompts a step, the earlier ones decoding beside them
+    for request_id, outs in run_all(capped).items():
+        outputs.setdefault(request_id, []).extend(outs)
+    everything: dict[str, list[RequestOutput]] = {}
+    for out in uncapped.step():
+        everything.setdefault(out.request_id, []).append(out)
+    assert len(uncapped.scheduler.running) == 10 and not uncapped.scheduler.waiting  # the whole burst in one step
+    for request_id, outs in run_all(uncapped).items():
+        everything.setdefault(request_id, []).extend(outs)
+    # when a prompt is prefilled does not change what it generates
+    assert {i: choice_tokens(outputs[str(i)]) for i in range(10)} == {
+        i: choice_tokens(everything[str(i)]) for i in range(10)
+    }
+    assert capped.blocks.num_used == 0
+
+
+def test_a_prompt_still_in_chunked_prefill_counts_against_the_cap() -> None:
+    core = tiny_core(max_num_prefills=1, max_num_batched_tokens=8)
+    core.add_request("long", TOK.encode("a long prompt of many bytes"), greedy(3))  # 27 tokens: four chunks
+    core.add_request("short", TOK.encode("hi"), greedy(3))
+    for _ in range(3):
+        core.step()
+        assert [s.request_id for s in core.scheduler.running] == ["long"]  # "short" waits, budget or not
+    core.step()  # the long prompt's last chunk: still one prefill in the step
+    assert [s.request_id for s in core.scheduler.running] == ["long"]
+    core.step()
+    assert [s.request_id for s in core.scheduler.running] == ["long", "short"]
+    run_all(core)

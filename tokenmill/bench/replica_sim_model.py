@@ -40,11 +40,14 @@ class ServiceTimes:
 class EngineLimits:
     max_num_seqs: int = option(64, "most sequences in one step, as the engine's --max-num-seqs")
     max_num_batched_tokens: int = option(1024, "token budget of one step, as the engine's --max-num-batched-tokens")
+    max_num_prefills: int = option(4, "most prompts prefilled in one step, as the engine's --max-num-prefills")
     cache_blocks: int = option(512, "blocks each replica's prefix cache holds (LRU)")
 
     def __post_init__(self) -> None:
-        if min(self.max_num_seqs, self.max_num_batched_tokens) < 1 or self.cache_blocks < 0:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive, cache_blocks not negative")
+        if min(self.max_num_seqs, self.max_num_batched_tokens, self.max_num_prefills) < 1 or self.cache_blocks < 0:
+            raise ValueError(
+                "max_num_seqs, max_num_batched_tokens and max_num_prefills must be positive, cache_blocks not negative"
+            )
 
 
 @dataclass(eq=False)
@@ -124,7 +127,12 @@ class Replica:
         self._chunks = []
         for flight in self.prefilling:
             budget -= self._give(flight, budget)
-        while self.waiting and budget > 0 and len(self.decoding) + len(self.prefilling) < self.limits.max_num_seqs:
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.decoding) + len(self.prefilling) < self.limits.max_num_seqs
+            and len(self.prefilling) < self.limits.max_num_prefills
+        ):
             flight = self.waiting.popleft()
             self._admit(flight)
             budget -= self._give(flight, budget)

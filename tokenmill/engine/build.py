@@ -140,6 +140,6 @@ def build_engine_core(model: CausalLM, tokenizer: Tokenizer, config: Config) -> 
     model_len = cfg.max_position_embeddings
     max_model_len = min(config.max_model_len or min(model_len, DEFAULT_MAX_MODEL_LEN), model_len, capacity)
     blocks = BlockManager(num_blocks, config.block_size)
-    scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens)
+    scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens, config.max_num_prefills)
     runner = ModelRunner(model, cfg, num_blocks, config.block_size)
     return EngineCore(runner, tokenizer, blocks, scheduler, set(tokenizer.eos_ids), max_model_len)
