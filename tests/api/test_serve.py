@@ -140,6 +140,7 @@ def test_past_the_grace_period_what_still_runs_ends_with_503_and_the_process_exi
 def test_serve_freezes_what_loading_left_before_the_server_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     frozen_when_run: list[int] = []
     monkeypatch.setattr(serve_module.DrainingServer, "run", lambda self: frozen_when_run.append(gc.get_freeze_count()))
+    monkeypatch.setattr(serve_module.prometheus_client, "disable_created_metrics", lambda: None)  # process-wide
     try:
         assert serve_module.serve(create_app(FakeEngine(), Config()), Config()) == 0
         assert frozen_when_run and frozen_when_run[0] > 0

@@ -30,12 +30,12 @@ class Scheduled:
 
 class Scheduler:
     def __init__(
-        self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_num_prefills: int | None = None
+        self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_num_prefills: int
     ) -> None:
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_num_prefills = max_num_prefills  # None: as many as the budget takes
+        self.max_num_prefills = max_num_prefills
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: oldest first
         self.num_preemptions = 0
@@ -61,7 +61,7 @@ class Scheduler:
             scheduled.append(Scheduled(seq, n))
             budget -= n
         prefills = sum(1 for s in scheduled if s.seq.num_computed_tokens < s.seq.num_tokens - 1)  # chunked prompts
-        while self.waiting and budget > 0 and self._has_room_for(self.waiting[0]) and self._may_prefill(prefills):
+        while self.waiting and budget > 0 and self._has_room_for(self.waiting[0]) and prefills < self.max_num_prefills:
             seq = self.waiting[0]
             alloc = self.blocks.allocate_prompt(seq.token_ids, use_cache=not seq.wants_prompt_logprobs)
             if alloc is None:
@@ -78,9 +78,6 @@ class Scheduler:
             budget -= n
             prefills += 1
         return scheduled
-
-    def _may_prefill(self, prefills: int) -> bool:
-        return self.max_num_prefills is None or prefills < self.max_num_prefills
 
     def _has_room_for(self, seq: Sequence) -> bool:
         return not self.running or len(self.running) + seq.params.n <= self.max_num_seqs
