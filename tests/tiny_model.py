@@ -131,11 +131,14 @@ def tiny_state_dict(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Te
     return sd
 
 
-def write_tiny_model(directory: str | Path, seed: int = 0) -> Path:
-    """config.json, model.safetensors, tokenizer.json + tokenizer/generation configs."""
+def write_tiny_model(directory: str | Path, seed: int = 0, max_position_embeddings: int | None = None) -> Path:
+    """config.json, model.safetensors, tokenizer.json + tokenizer/generation configs; a longer context than the
+    usual 256 tokens where a test needs completions that run for a while."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     config = tiny_hf_config()
+    if max_position_embeddings is not None:
+        config["max_position_embeddings"] = max_position_embeddings
     (directory / "config.json").write_text(json.dumps(config, indent=1))
     save_file(tiny_state_dict(config, seed), str(directory / "model.safetensors"))
     write_tokenizer_files(directory, config["max_position_embeddings"])

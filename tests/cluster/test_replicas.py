@@ -20,6 +20,7 @@ import pytest
 from tests.api.scrape import parse, value
 from tests.api.server_process import Server, serve
 from tests.cluster.ray_server import per_replica, serve_replicas, skip_unless_private_network, wait_healthy
+from tests.tiny_model import write_tiny_model
 
 pytestmark = [pytest.mark.ray, skip_unless_private_network()]
 
@@ -28,21 +29,27 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 MODEL = "tiny"
 TIMEOUT_S = 60
 SHARED = "the capital of France is Paris and the world is hello " * 3  # 30+ tokens: two whole KV blocks
+LONG_CONTEXT = 1280
+LONG_STREAM = 1200  # tokens: ~10x what a stream generates between its first chunk and the kill (scraping takes ~1 s)
 
 
 @pytest.fixture(scope="module")
-def replicas(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with room for streams long enough to be still running when a replica is killed under them."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-long"), max_position_embeddings=LONG_CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def replicas(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("ray")
-    with serve_replicas(
-        tiny_model_dir, tmp, "--replicas", "2", "--api-key", KEY, "--served-model-name", MODEL
-    ) as server:
+    with serve_replicas(model_dir, tmp, "--replicas", "2", "--api-key", KEY, "--served-model-name", MODEL) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
-def one_process(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def one_process(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     flags = ("--api-key", KEY, "--served-model-name", MODEL, "--threads", "1")
-    with serve(tiny_model_dir, tmp_path_factory.mktemp("single"), *flags) as server:
+    with serve(model_dir, tmp_path_factory.mktemp("single"), *flags) as server:
         yield server
 
 
@@ -176,7 +183,8 @@ def test_killing_a_replica_under_load_loses_nothing_that_had_not_started(replica
     started = threading.Barrier(9, timeout=TIMEOUT_S)
 
     def streamed(i: int) -> None:
-        body = {"model": MODEL, "prompt": f"{i} hello {i} world " * 5, "max_tokens": 220, "temperature": 0}
+        prompt = f"{i} hello {i} world " * 5
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": LONG_STREAM, "temperature": 0, "ignore_eos": True}
         seen: list[Any] = []
         for frame in frames(replicas, body):
             seen.append(frame)
