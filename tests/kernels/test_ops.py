@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels import build, ops
-from tokenmill.model.layers import RMSNorm, Rotary, apply_rotary, gelu_mul, norm_rotary
+from tokenmill.model.layers import RMSNorm, Rotary, apply_rotary, gelu_mul, norm_rotary, silu_mul
 
 pytestmark = pytest.mark.skipif(ops.library() is None, reason="no C compiler: the torch path is the only path")
 BF16 = torch.bfloat16
@@ -38,6 +38,41 @@ def test_rms_norm_equals_torch_and_its_residual_add_too() -> None:
     assert _ulps(ops.rms_norm(x, norm.factor, EPS), torch_path) <= 1
     expected = y + F.rms_norm(x.float(), (640,), norm.factor, EPS).to(BF16)
     assert _ulps(ops.add_rms_norm(y, x, norm.factor, EPS), expected) <= 1
+
+
+def test_llamas_weighted_norm_equals_hugging_faces_arithmetic() -> None:
+    x = _randn(7, 2048, seed=2, scale=30.0)
+    weight = _randn(2048, seed=3)
+    expected = weight * F.rms_norm(x.float(), (2048,), None, EPS).to(BF16)  # LlamaRMSNorm in bf16: two roundings
+    got = ops.weighted_rms_norm(x, weight.float(), EPS)
+    assert _ulps(got, expected) <= 1 and (got != expected).float().mean() < 0.02  # a reduction order apart at most
+    norm = RMSNorm(2048, EPS)  # the module takes the kernel in bf16
+    norm.weight.data = weight
+    assert torch.equal(norm(x), got)
+
+
+def test_rotary_is_torchs_on_strided_heads() -> None:
+    t, heads, d = 5, 6, 64
+    qkv = _randn(t, (heads + 2) * d, seed=8, scale=4.0)
+    x = qkv[:, : heads * d].view(t, heads, d)  # rows strided, as sliced from the q/k/v projection
+    cos, signed_sin = Rotary(d, 500_000.0)(torch.arange(1000, 1000 + t), BF16)
+    expected = torch.addcmul(x * cos, torch.roll(x, d // 2, dims=-1), signed_sin)  # apply_rotary's torch ops
+    assert torch.equal(ops.rotary(x, cos[:, 0], signed_sin[:, 0]), expected)
+    assert torch.equal(apply_rotary(x, cos, signed_sin), expected)
+
+
+@pytest.mark.skipif(not ops.silu_mul_available(), reason="the SiLU kernel needs AVX-512F and OpenMP")
+def test_gated_silu_kernel_matches_the_formula_on_strided_rows() -> None:
+    f = 2048
+    wide = _randn(7, 2 * f + 64, seed=13, scale=6.0)
+    gate_up = wide[:, : 2 * f]
+    got = ops.silu_mul(gate_up).double()
+    g, up = gate_up[:, :f].double(), gate_up[:, f:].double()
+    expected = (g / (1 + torch.exp(-g))).to(BF16).double() * up  # torch's bf16 intermediate, then the product
+    assert (got - expected).abs().le(2.0**-7 * expected.abs() + 1e-30).all()
+    torch_path = F.silu(gate_up[:, :f]) * gate_up[:, f:]
+    assert (silu_mul(gate_up) != torch_path).float().mean() < 0.01  # torch's own exp: rare last-bit differences
+    assert torch.equal(ops.silu_mul(gate_up[2:3])[0], ops.silu_mul(gate_up)[2])  # rows independent
 
 
 def test_norm_rotary_equals_norm_then_rotary_on_strided_heads() -> None:

@@ -1,5 +1,6 @@
-"""A Gemma 3 layer on the file's GGUF blocks in one C call (kernels/decoder_layer.c) computes what the modules compute,
-bit for bit: prefill, chunked prefill beside decodes, sliding windows, the paged cache it writes."""
+"""A Gemma 3 or Llama-family layer on the file's GGUF blocks in one C call (kernels/decoder_layer.c) computes what
+the modules compute, bit for bit: prefill, chunked prefill beside decodes, sliding windows, the paged cache it writes,
+Qwen2's q/k/v biases, Phi-3's fused projections."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from tests.engine.tiny import run_all, tiny_model
+from tests.model.families import BY_NAME, write_gguf, write_hf_model
 from tests.model.gguf_blocks import IDS, MIXED, native_model
 from tests.tiny_model import tiny_tokenizer, write_tiny_gguf
 from tokenmill.config import Config
@@ -16,6 +18,7 @@ from tokenmill.engine.build import build_engine_core, describe
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.kernels import ops
 from tokenmill.model.gemma3 import Gemma3DecoderLayer
+from tokenmill.model.llama import LlamaDecoderLayer
 
 pytestmark = pytest.mark.skipif(
     ops.library() is None or not ops.decoder_layer_available(), reason="the C decoder layer is not built here"
@@ -68,3 +71,30 @@ def test_the_banner_names_the_c_layer_only_where_every_layer_takes_it(tmp_path: 
     assert "decoder_layer" in describe(build_engine_core(gguf, tiny_tokenizer(), config), config).kernels  # type: ignore[arg-type]
     plain = build_engine_core(tiny_model().to(torch.bfloat16), tiny_tokenizer(), config)  # type: ignore[arg-type]
     assert "decoder_layer" not in describe(plain, config).kernels
+
+
+LLAMA_FAMILIES = ["llama", "llama3", "mistral", "qwen2", "phi3"]
+
+
+def _family_gguf(tmp_path: Path, name: str) -> Path:
+    family = BY_NAME[name]
+    return write_gguf(tmp_path / f"{name}.gguf", family, write_hf_model(tmp_path / name, family), quantize=MIXED)
+
+
+@pytest.mark.parametrize("name", LLAMA_FAMILIES)
+def test_every_llama_family_layer_takes_the_c_path_and_computes_what_the_modules_do(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _family_gguf(tmp_path, name)
+    model = native_model(path, tmp_path / "cache")
+    assert all(isinstance(layer, LlamaDecoderLayer) and layer.c_plan() is not None for layer in model.model.layers)
+    in_c = model.forward_dense(IDS)
+    in_c_run = _greedy_run(model)
+    monkeypatch.setattr(LlamaDecoderLayer, "c_layer", False)
+    assert torch.equal(model.forward_dense(IDS), in_c)
+    assert _greedy_run(native_model(path, tmp_path / "cache")) == in_c_run
+
+
+def test_qwen3s_head_norms_keep_the_modules(tmp_path: Path) -> None:
+    model = native_model(_family_gguf(tmp_path, "qwen3"), tmp_path / "cache")
+    assert all(isinstance(layer, LlamaDecoderLayer) and layer.c_plan() is None for layer in model.model.layers)

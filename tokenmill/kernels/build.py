@@ -64,6 +64,8 @@ SIGNATURES: dict[str, tuple[CType | None, list[CType]]] = {
     "rms_norm": (None, [_PTR, _I64, _PTR, _PTR, _I64, _I64, _F32]),
     "add_rms_norm": (None, [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32]),
     "norm_rotary": (None, [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _F32]),
+    "weighted_rms_norm": (None, [_PTR, _I64, _PTR, _PTR, _I64, _I64, _F32]),
+    "rotary": (None, [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64]),
     "int8_matmul_available": (_INT, []),
     "int8_matmul": (_INT, [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _INT, _INT]),
     "gguf_matmul_available": (_INT, []),
@@ -81,8 +83,10 @@ SIGNATURES: dict[str, tuple[CType | None, list[CType]]] = {
     "argmax_rows": (_INT, [_PTR, _I64, _I64, _PTR, _INT]),
     "gelu_mul_available": (_INT, []),
     "gelu_mul": (None, [_PTR, _I64, _I64, _I64, _PTR, _INT]),
+    "silu_mul": (None, [_PTR, _I64, _I64, _I64, _PTR, _INT]),
     "decoder_layer_plan_bytes": (_I64, []),
     "gemma3_layer": (_INT, [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT]),
+    "llama_layer": (_INT, [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT]),
 }
 _warned: set[str] = set()
 

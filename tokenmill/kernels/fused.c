@@ -42,6 +42,18 @@ void rms_norm(const bf16 *x, int64_t stride, const float *factor, bf16 *out, int
     }
 }
 
+/* out = bf16(weight * bf16(x * inv_rms(x))): Llama's RMSNorm as Hugging Face computes it in bf16 (normalised in
+ * float32, cast back, then scaled by the bf16 weight), `weight` given as float32 (its bf16 values, exactly). */
+void weighted_rms_norm(const bf16 *x, int64_t stride, const float *weight, bf16 *out, int64_t rows, int64_t dim,
+                       float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const bf16 *xr = x + r * stride;
+        bf16 *o = out + r * dim;
+        float inv = inv_rms(xr, dim, eps);
+        for (int64_t i = 0; i < dim; i++) o[i] = float_to_bf16(weight[i] * bf16_to_float(float_to_bf16(bf16_to_float(xr[i]) * inv)));
+    }
+}
+
 /* out = bf16(residual + rms_norm(y)): Gemma's "x + post_norm(sublayer(x))". */
 void add_rms_norm(const bf16 *residual, const bf16 *y, const float *factor, bf16 *out, int64_t rows, int64_t dim,
                   float eps) {
@@ -80,6 +92,25 @@ void norm_rotary(const bf16 *x, int64_t stride, const float *factor, const bf16 
             for (int64_t i = half; i < dim; i++) {
                 float a = bf16_to_float(float_to_bf16(normed[i] * bf16_to_float(c[i])));
                 o[i] = float_to_bf16(a + normed[i - half] * bf16_to_float(s[i]));
+            }
+        }
+    }
+}
+
+/* Per row and head, rotary alone ("rotate half" layout), as layers.apply_rotary computes it in torch:
+ * out = bf16(bf16(x * cos) + roll(x) * signed_sin). Shapes as norm_rotary's. */
+void rotary(const bf16 *x, int64_t stride, const bf16 *cos, const bf16 *signed_sin, bf16 *out, int64_t rows,
+            int64_t heads, int64_t dim) {
+    int64_t half = dim / 2;
+    for (int64_t r = 0; r < rows; r++) {
+        const bf16 *c = cos + r * dim, *s = signed_sin + r * dim;
+        for (int64_t h = 0; h < heads; h++) {
+            const bf16 *xh = x + r * stride + h * dim;
+            bf16 *o = out + (r * heads + h) * dim;
+            for (int64_t i = 0; i < dim; i++) {
+                float a = bf16_to_float(float_to_bf16(bf16_to_float(xh[i]) * bf16_to_float(c[i])));
+                float rolled = bf16_to_float(xh[i < half ? i + half : i - half]);
+                o[i] = float_to_bf16(a + rolled * bf16_to_float(s[i]));
             }
         }
     }

@@ -1,4 +1,5 @@
-/* Gemma's gated MLP activation: out (T, F) = bf16(bf16(gelu_tanh(gate)) * up), gate and up the halves of (T, 2F).
+/* The gated MLP activations. Gemma's: out (T, F) = bf16(bf16(gelu_tanh(gate)) * up), gate and up the halves of (T, 2F);
+ * Llama's (silu_mul, at the end): the same with silu.
  *
  * Why: torch runs it as three ops (chunk, gelu, mul) with a bf16 intermediate, each a pass over memory with its own
  * fixed cost, in every layer of every step (see the README's Performance section). Here it is one pass with the same
@@ -44,9 +45,32 @@ void gelu_mul(const uint16_t *gate_up, int64_t stride, int64_t rows, int64_t f, 
     }
 }
 
-#else /* no AVX-512 or no OpenMP: layers.gelu_mul keeps torch's ops */
+/* silu(g) = g / (1 + e^(-g)), taken as g e / (1 + e) for g < 0 and g / (1 + e) for g >= 0 with e = e^(-|g|) <= 1 */
+static inline __m512 silu(__m512 g) {
+    __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+    __m512 numerator = _mm512_mask_mul_ps(g, _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ), g, e);
+    return _mm512_div_ps(numerator, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+
+/* Llama's gated MLP activation, as gelu_mul: out = bf16(bf16(silu(gate)) * up). */
+void silu_mul(const uint16_t *gate_up, int64_t stride, int64_t rows, int64_t f, uint16_t *out, int threads) {
+    int64_t per_row = f / 16;
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * f >= 8192)
+    for (int64_t item = 0; item < rows * per_row; item++) {
+        int64_t r = item / per_row, i = item % per_row * 16;
+        const uint16_t *g = gate_up + r * stride + i;
+        __m512 activated = load_bf16_rounded(silu(load_bf16(g)));
+        __m512 v = _mm512_mul_ps(activated, load_bf16(g + f));
+        _mm256_storeu_si256((__m256i *)(out + r * f + i), to_bf16(v));
+    }
+}
+
+#else /* no AVX-512 or no OpenMP: layers.gelu_mul and layers.silu_mul keep torch's ops */
 int gelu_mul_available(void) { return 0; }
 void gelu_mul(const uint16_t *gate_up, int64_t stride, int64_t rows, int64_t f, uint16_t *out, int threads) {
+    (void)gate_up, (void)stride, (void)rows, (void)f, (void)out, (void)threads;
+}
+void silu_mul(const uint16_t *gate_up, int64_t stride, int64_t rows, int64_t f, uint16_t *out, int threads) {
     (void)gate_up, (void)stride, (void)rows, (void)f, (void)out, (void)threads;
 }
 #endif

@@ -26,6 +26,10 @@ void add_rms_norm(const uint16_t *residual, const uint16_t *y, const float *fact
                   int64_t dim, float eps);
 void norm_rotary(const uint16_t *x, int64_t stride, const float *factor, const uint16_t *cos,
                  const uint16_t *signed_sin, uint16_t *out, int64_t rows, int64_t heads, int64_t dim, float eps);
+void weighted_rms_norm(const uint16_t *x, int64_t stride, const float *weight, uint16_t *out, int64_t rows,
+                       int64_t dim, float eps);
+void rotary(const uint16_t *x, int64_t stride, const uint16_t *cos, const uint16_t *signed_sin, uint16_t *out,
+            int64_t rows, int64_t heads, int64_t dim);
 
 /* The threaded kernels: each says whether it was compiled in (1) or is a stub (0) that returns -1 or does nothing,
  * as its CPU features and OpenMP were or were not there at compile time. */
@@ -51,12 +55,14 @@ int paged_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache
 int argmax_available(void);
 int argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out, int threads);
 
-int gelu_mul_available(void);
+int gelu_mul_available(void); /* and silu_mul's, compiled with it */
 void gelu_mul(const uint16_t *gate_up, int64_t stride, int64_t rows, int64_t f, uint16_t *out, int threads);
+void silu_mul(const uint16_t *gate_up, int64_t stride, int64_t rows, int64_t f, uint16_t *out, int threads);
 
-/* decoder_layer.c: a Gemma 3 layer on the bf16 + GGUF path in one call. Its plan mirrors ops.DecoderLayerPlan (a
- * ctypes Structure, the same fields in the same order; decoder_layer_plan_bytes lets Python check the size). A
- * projection is GgufLinear's parts: part i writes columns [at, at + n) of the (rows, n) output. */
+/* decoder_layer.c: a Gemma 3 or a Llama-family layer on the bf16 + GGUF path in one call. Its plan mirrors
+ * ops.DecoderLayerPlan (a ctypes Structure, the same fields in the same order; decoder_layer_plan_bytes lets Python
+ * check the size). A projection is GgufLinear's parts: part i writes columns [at, at + n) of the (rows, n) output.
+ * A Llama layer uses input_norm and post_attention_norm (its norm before the MLP) and, where not NULL, qkv_bias. */
 #define GGUF_LINEAR_MAX_PARTS 3
 typedef struct {
     int64_t type;
@@ -71,11 +77,15 @@ typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, ffn;
     float eps, scale, softcap, unused;
     const float *input_norm, *post_attention_norm, *pre_feedforward_norm, *post_feedforward_norm, *qk_factor;
+    const uint16_t *qkv_bias;
     gguf_linear qkv, o, gate_up, down;
 } decoder_layer_plan;
 int64_t decoder_layer_plan_bytes(void);
 int gemma3_layer(const decoder_layer_plan *p, const uint16_t *x, uint16_t *out, int64_t t, const uint16_t *cos,
                  const uint16_t *signed_sin, uint16_t *k_cache, uint16_t *v_cache, const int64_t *slot_mapping,
                  const int64_t *slots, const int64_t *offset, const int64_t *count, int threads);
+int llama_layer(const decoder_layer_plan *p, const uint16_t *x, uint16_t *out, int64_t t, const uint16_t *cos,
+                const uint16_t *signed_sin, uint16_t *k_cache, uint16_t *v_cache, const int64_t *slot_mapping,
+                const int64_t *slots, const int64_t *offset, const int64_t *count, int threads);
 
 #endif

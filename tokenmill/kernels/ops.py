@@ -8,7 +8,8 @@ Our C kernels serve the bf16 hot path where eager torch is slow on a CPU, mostly
   exact int32 sums (see its header).
 - paged_attention.c: attention over the paged cache, one call per layer in place of dozens of ops.
 - gelu.c: the gated GELU in one pass; argmax.c: greedy decoding's argmax in one vectorised pass.
-- decoder_layer.c: a whole Gemma 3 layer on the bf16 + GGUF path (the kernels above, back to back) in one call.
+- decoder_layer.c: a whole Gemma 3 or Llama-family layer on the bf16 + GGUF path (the kernels above, back to back)
+  in one call.
 The README's Performance section has what each gains. Each computes the arithmetic of the torch path it replaces.
 
 build.py compiles them on first use and caches the build. `library()` is that library, or None where it could not be
@@ -95,6 +96,11 @@ def gelu_mul_available() -> bool:
     return _built("gelu_mul")
 
 
+def silu_mul_available() -> bool:
+    """Compiled with gelu_mul, in gelu.c: AVX-512F and OpenMP."""
+    return _built("gelu_mul")
+
+
 def usable(x: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16 and x.device.type == "cpu" and library() is not None
 
@@ -105,6 +111,15 @@ def rms_norm(x: torch.Tensor, factor: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(x)
     dim = x.shape[-1]
     _lib().rms_norm(x.data_ptr(), dim, factor.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps)
+    return out
+
+
+def weighted_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: (..., D) bf16 → bf16(weight · bf16(x · rsqrt(mean(x²) + eps))), `weight` float32: Llama's RMSNorm."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dim = x.shape[-1]
+    _lib().weighted_rms_norm(x.data_ptr(), dim, weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps)
     return out
 
 
@@ -139,6 +154,18 @@ def norm_rotary(
         d,
         eps,
     )
+    return out
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: (T, H, D) bf16 whose heads are packed within each row (rows may be strided); cos / signed_sin (T, D) bf16 →
+    each head rotated ("rotate half"), packed (T, H, D)."""
+    t, heads, d = x.shape
+    if x.stride(2) != 1 or x.stride(1) != d:
+        x = x.contiguous()
+    cos, signed_sin = cos.contiguous(), signed_sin.contiguous()
+    out = torch.empty(t, heads, d, dtype=x.dtype)
+    _lib().rotary(x.data_ptr(), x.stride(0), cos.data_ptr(), signed_sin.data_ptr(), out.data_ptr(), t, heads, d)
     return out
 
 
@@ -217,6 +244,16 @@ def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """(T, 2F) bf16, rows contiguous → silu(gate) · up, (T, F) bf16 (gelu.c)."""
+    if gate_up.stride(-1) != 1:
+        gate_up = gate_up.contiguous()
+    t, f = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(t, f, dtype=torch.bfloat16)
+    _lib().silu_mul(gate_up.data_ptr(), gate_up.stride(0), t, f, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
 def argmax_rows(x: torch.Tensor) -> list[int]:
     """torch.argmax(x, dim=-1).tolist() for (rows, n) float32 logits: the C pass (argmax.c) where it compiled."""
     if not (argmax_available() and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous()):
@@ -290,8 +327,8 @@ class GgufProjection(ctypes.Structure):
 
 
 class DecoderLayerPlan(ctypes.Structure):
-    """kernels.h's decoder_layer_plan: what gemma3_layer needs of a layer that does not change between steps. The
-    tensors it points into must outlive it (the layer that builds it keeps them)."""
+    """kernels.h's decoder_layer_plan: what gemma3_layer or llama_layer needs of a layer that does not change between
+    steps. The tensors it points into must outlive it (the layer that builds it keeps them)."""
 
     _fields_ = [
         ("hidden", ctypes.c_int64),
@@ -308,6 +345,7 @@ class DecoderLayerPlan(ctypes.Structure):
         ("pre_feedforward_norm", ctypes.c_void_p),
         ("post_feedforward_norm", ctypes.c_void_p),
         ("qk_factor", ctypes.c_void_p),
+        ("qkv_bias", ctypes.c_void_p),
         ("qkv", GgufProjection),
         ("o", GgufProjection),
         ("gate_up", GgufProjection),
@@ -316,7 +354,7 @@ class DecoderLayerPlan(ctypes.Structure):
 
 
 def decoder_layer_available() -> bool:
-    """gemma3_layer's kernels are all compiled in (the GGUF matmul, paged attention, the gated GELU), and the C
+    """decoder_layer.c's kernels are all compiled in (the GGUF matmul, paged attention, the gated GELU and SiLU), and the C
     plan's layout is the one ops.DecoderLayerPlan describes."""
     return (
         gguf_matmul_available()
@@ -326,7 +364,8 @@ def decoder_layer_available() -> bool:
     )
 
 
-def gemma3_layer(
+def decoder_layer(
+    kernel: str,
     plan: DecoderLayerPlan,
     x: torch.Tensor,
     cos: torch.Tensor,
@@ -337,13 +376,13 @@ def gemma3_layer(
     offset: torch.Tensor,
     count: torch.Tensor,
 ) -> torch.Tensor:
-    """One Gemma 3 decoder layer (decoder_layer.c): x (T, hidden) bf16 → the layer's output, a new (T, hidden)
-    tensor; this step's K and V written to the cache; cos / signed_sin (T, head_dim) bf16, contiguous; row r attends
-    to slots[offset[r] : offset[r] + count[r]]."""
+    """One decoder layer in C (`kernel`: gemma3_layer or llama_layer): x (T, hidden) bf16 → the layer's output, a new
+    (T, hidden) tensor; this step's K and V written to the cache; cos / signed_sin (T, head_dim) bf16, contiguous;
+    row r attends to slots[offset[r] : offset[r] + count[r]]."""
     x = x.contiguous()
     out = torch.empty_like(x)
     k_cache, v_cache = kv_cache
-    status = _lib().gemma3_layer(
+    status = getattr(_lib(), kernel)(
         ctypes.addressof(plan),
         x.data_ptr(),
         out.data_ptr(),
@@ -359,7 +398,7 @@ def gemma3_layer(
         torch.get_num_threads(),
     )
     if status == -2:
-        raise MemoryError(f"gemma3_layer: no memory for the scratch of {x.shape[0]} rows")
+        raise MemoryError(f"{kernel}: no memory for the scratch of {x.shape[0]} rows")
     if status:
-        raise ValueError("gemma3_layer: a plan whose shapes disagree, or a kernel that is not compiled in")
+        raise ValueError(f"{kernel}: a plan whose shapes disagree, or a kernel that is not compiled in")
     return out

@@ -15,8 +15,8 @@ from torch import nn
 
 from tokenmill.kernels import ops
 from tokenmill.model.attention import AttentionMetadata, paged_attention
+from tokenmill.model.c_layer import CLayer, layer_plan, plannable
 from tokenmill.model.causal_lm import CausalLM, DecoderModel, KVCache, Rope
-from tokenmill.model.gguf_linear import GgufLinear
 from tokenmill.model.layers import RMSNorm, Rotary, apply_rotary, gelu_mul, norm_rotary
 from tokenmill.model.model_config import ModelConfig
 
@@ -67,10 +67,9 @@ class Gemma3MLP(nn.Module):
         return self.down_proj(gelu_mul(self.gate_up_proj(x)))
 
 
-class Gemma3DecoderLayer(nn.Module):
-    # bf16 on the file's GGUF blocks: the whole layer in one C call (kernels/decoder_layer.c, the same kernels in the
-    # same order, so the same bits) where the kernels are built; the tests turn it off to compare the two paths
-    c_layer: ClassVar[bool] = True
+class Gemma3DecoderLayer(CLayer, nn.Module):
+    """bf16 on the file's GGUF blocks: the whole layer in one C call (kernels/decoder_layer.c's gemma3_layer) where
+    the kernels are built (model/c_layer.py)."""
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -82,50 +81,29 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, offset=1.0)
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset=1.0)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset=1.0)
-        self._plan: ops.DecoderLayerPlan | None = None  # None once planned: the C layer cannot run this layer
-        self._planned = False
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         plan = self.c_plan_for(x.dtype)
         if plan is not None and kv_cache[0].dtype == torch.bfloat16:
             keys = meta.key_lists(self.self_attn.window)
             cos, signed_sin = (r[:, 0].contiguous() for r in rope)
-            return ops.gemma3_layer(plan, x, cos, signed_sin, kv_cache, meta.slot_mapping, *keys.astuple())
+            return ops.decoder_layer(
+                "gemma3_layer", plan, x, cos, signed_sin, kv_cache, meta.slot_mapping, *keys.astuple()
+            )
         x = self.post_attention_layernorm.add_to(x, self.self_attn(self.input_layernorm(x), rope, kv_cache, meta))
         return self.post_feedforward_layernorm.add_to(x, self.mlp(self.pre_feedforward_layernorm(x)))
-
-    def c_plan_for(self, dtype: torch.dtype) -> ops.DecoderLayerPlan | None:
-        """The plan where this layer runs as one C call on activations of `dtype` (bf16 only); else None."""
-        return self.c_plan() if self.c_layer and dtype == torch.bfloat16 else None
-
-    def c_plan(self) -> ops.DecoderLayerPlan | None:
-        """The layer as decoder_layer.c takes it, built on first use; None where that C path cannot run it."""
-        if not self._planned:
-            self._plan, self._planned = self._build_plan(), True
-        return self._plan
 
     def _build_plan(self) -> ops.DecoderLayerPlan | None:
         attn, mlp = self.self_attn, self.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        d = attn.head_dim
-        if not (
-            ops.library() is not None
-            and ops.decoder_layer_available()
-            and attn.qk_norm
-            and not attn.softcap
-            and all(
-                isinstance(m, GgufLinear) and m.kernel and len(m.types) <= ops.GGUF_LINEAR_MAX_PARTS for m in linears
-            )
-            and d % 16 == 0
-            and d <= min(ops.MAX_ATTENTION_HEAD_DIM, ops.MAX_HEAD_DIM)
-            and mlp.gate_up_proj.out_features % 32 == 0
-        ):
+        if not (attn.qk_norm and not attn.softcap and plannable(linears, attn.head_dim, mlp.gate_up_proj.out_features)):
             return None
-        plan = ops.DecoderLayerPlan(
+        return layer_plan(
+            linears,
             hidden=attn.o_proj.out_features,
             heads=attn.num_heads,
             kv_heads=attn.num_kv_heads,
-            head_dim=d,
+            head_dim=attn.head_dim,
             ffn=mlp.gate_up_proj.out_features // 2,
             eps=attn.eps,
             scale=attn.scale,
@@ -136,15 +114,6 @@ class Gemma3DecoderLayer(nn.Module):
             post_feedforward_norm=self.post_feedforward_layernorm.factor.data_ptr(),
             qk_factor=attn.qk_factor.data_ptr(),
         )
-        for field, linear in zip(("qkv", "o", "gate_up", "down"), linears):
-            assert isinstance(linear, GgufLinear)
-            projection = getattr(plan, field)
-            projection.k, projection.n = linear.k, linear.out_features
-            parts = linear.kernel_parts()
-            projection.parts = len(parts)
-            for i, (ggml_type, packed, n, at) in enumerate(parts):
-                projection.part[i] = ops.GgufPart(ggml_type, packed.data_ptr(), n, at)
-        return plan
 
 
 class Gemma3Model(DecoderModel):

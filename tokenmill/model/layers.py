@@ -13,8 +13,9 @@ from tokenmill.model.model_config import RopeScaling
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32. Gemma scales by (1 + w) in float32 (`offset=1.0`); Llama by w after the cast.
 
-    Gemma's float32 factor (1 + w) is computed once, on first use after loading (`factor`); in bfloat16 the norm is one
-    call of the fused C kernel (kernels/fused.c), else torch's rms_norm: a decode step runs over a hundred of these norms.
+    The float32 factor (Gemma's 1 + w, Llama's w) is computed once, on first use after loading (`factor`); in bfloat16
+    the norm is one call of a fused C kernel (kernels/fused.c), else torch's rms_norm: a decode step runs over a hundred
+    of these norms.
     """
 
     def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
@@ -36,6 +37,8 @@ class RMSNorm(nn.Module):
             if ops.usable(x):
                 return ops.rms_norm(x, self.factor, self.eps)
             return F.rms_norm(x.float(), self.weight.shape, self.factor, self.eps).to(x.dtype)
+        if ops.usable(x) and self.weight.dtype == x.dtype:  # the weight's bf16 values, as float32 (exact)
+            return ops.weighted_rms_norm(x, self.factor, self.eps)
         return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
     def add_to(self, residual: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -96,7 +99,10 @@ class Rotary(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x: (T, heads, head_dim). HF's x·cos + rotate_half(x)·sin, where rotate_half(x) = (-x₂, x₁): the halves swapped
-    by one roll and the minus carried by the signed sin, in three ops instead of seven (this runs twice per layer)."""
+    by one roll and the minus carried by the signed sin, in three ops instead of seven (this runs twice per layer);
+    in bf16 one C call with the same roundings (fused.c's rotary)."""
+    if ops.usable(x) and cos.dtype == x.dtype and x.dim() == 3:
+        return ops.rotary(x, cos[:, 0], signed_sin[:, 0])
     return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), signed_sin)
 
 
@@ -116,3 +122,11 @@ def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return ops.gelu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """(T, 2F) → silu(gate) · up, (T, F): Llama's gated MLP activation (bf16: one C pass, ops.silu_mul)."""
+    if gate_up.dim() == 2 and gate_up.shape[1] % 32 == 0 and ops.usable(gate_up) and ops.silu_mul_available():
+        return ops.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

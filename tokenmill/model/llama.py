@@ -11,12 +11,13 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.kernels import ops
 from tokenmill.model.attention import AttentionMetadata, paged_attention
+from tokenmill.model.c_layer import CLayer, layer_plan, plannable
 from tokenmill.model.causal_lm import CausalLM, DecoderModel, KVCache, Rope
-from tokenmill.model.layers import RMSNorm, Rotary, apply_rotary
+from tokenmill.model.layers import RMSNorm, Rotary, apply_rotary, silu_mul
 from tokenmill.model.model_config import ModelConfig
 
 
@@ -56,15 +57,19 @@ class LlamaMLP(nn.Module):
         self.down_proj_bias = nn.Parameter(torch.zeros(cfg.hidden_size)) if cfg.mlp_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = biased(self.gate_up_proj(x), self.gate_up_proj_bias).chunk(2, dim=-1)
-        return biased(self.down_proj(F.silu(gate) * up), self.down_proj_bias)
+        return biased(
+            self.down_proj(silu_mul(biased(self.gate_up_proj(x), self.gate_up_proj_bias))), self.down_proj_bias
+        )
 
 
 def biased(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return y if bias is None else y + bias
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(CLayer, nn.Module):
+    """bf16 on a file's GGUF blocks: the whole layer in one C call (kernels/decoder_layer.c's llama_layer) where the
+    kernels are built and the layer has no q/k norms and no biases but q/k/v's (model/c_layer.py)."""
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer)
@@ -73,8 +78,42 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        plan = self.c_plan_for(x.dtype)
+        if plan is not None and kv_cache[0].dtype == torch.bfloat16:
+            keys = meta.key_lists(self.self_attn.window)
+            cos, signed_sin = (r[:, 0].contiguous() for r in rope)
+            return ops.decoder_layer(
+                "llama_layer", plan, x, cos, signed_sin, kv_cache, meta.slot_mapping, *keys.astuple()
+            )
         x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _build_plan(self) -> ops.DecoderLayerPlan | None:
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        extras = (attn.q_norm, attn.o_proj_bias, mlp.gate_up_proj_bias, mlp.down_proj_bias)
+        if any(e is not None for e in extras) or not plannable(linears, attn.head_dim, mlp.gate_up_proj.out_features):
+            return None
+        bias = attn.qkv_proj_bias
+        return layer_plan(
+            linears,
+            hidden=attn.o_proj.out_features,
+            heads=attn.num_heads,
+            kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim,
+            ffn=mlp.gate_up_proj.out_features // 2,
+            eps=self.input_layernorm.eps,
+            scale=attn.scale,
+            softcap=0.0,
+            input_norm=self.input_layernorm.factor.data_ptr(),
+            post_attention_norm=self.post_attention_layernorm.factor.data_ptr(),
+            qkv_bias=None if bias is None else self._bf16_bias(bias),
+        )
+
+    def _bf16_bias(self, bias: torch.Tensor) -> int | None:
+        """q/k/v's bias as the C layer adds it: bf16, as the module adds it to the bf16 product."""
+        self._qkv_bias = bias.detach().to(torch.bfloat16).contiguous()  # kept alive as long as the plan
+        return int(self._qkv_bias.data_ptr())
 
 
 class LlamaModel(DecoderModel):
