@@ -61,7 +61,7 @@ def test_rotary_is_torchs_on_strided_heads() -> None:
     assert torch.equal(apply_rotary(x, cos, signed_sin), expected)
 
 
-@pytest.mark.skipif(not ops.silu_mul_available(), reason="the SiLU kernel needs AVX-512F and OpenMP")
+@pytest.mark.skipif(not ops.silu_mul_available(), reason="no AVX-512, AVX2 or OpenMP: torch's ops")
 def test_gated_silu_kernel_matches_the_formula_on_strided_rows() -> None:
     f = 2048
     wide = _randn(7, 2 * f + 64, seed=13, scale=6.0)
@@ -147,7 +147,7 @@ def test_a_compiler_without_openmp_builds_the_norms_and_leaves_the_threaded_kern
     assert status == -1 and torch.equal(scratch, torch.full((3, 64), 7.0))  # the stub refuses, writes nothing
 
 
-@pytest.mark.skipif(not ops.argmax_available(), reason="no AVX-512 or OpenMP: torch.argmax")
+@pytest.mark.skipif(not ops.argmax_available(), reason="no AVX-512, AVX2 or OpenMP: torch.argmax")
 def test_argmax_rows_is_torch_argmax_with_ties_nans_and_infinities() -> None:
     n = 3 * 32768 + 7  # several segments and a ragged tail
     x = torch.randn(9, n, generator=torch.Generator().manual_seed(11))
@@ -166,7 +166,7 @@ def test_argmax_rows_is_torch_argmax_with_ties_nans_and_infinities() -> None:
     assert ops.argmax_rows(short) == short.argmax(dim=-1).tolist()
 
 
-@pytest.mark.skipif(not ops.gelu_mul_available(), reason="no AVX-512 or OpenMP: torch's ops")
+@pytest.mark.skipif(not ops.gelu_mul_available(), reason="no AVX-512, AVX2 or OpenMP: torch's ops")
 def test_gated_gelu_kernel_matches_the_formula_on_strided_rows() -> None:
     import math
 

@@ -44,7 +44,7 @@ def _use(kernel: str, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     Returns a list that grows by one per C kernel call."""
     calls: list[int] = []
     if kernel == "c" and not ops.paged_attention_available():
-        pytest.skip("no AVX-512 or OpenMP: the torch path is the only path")
+        pytest.skip("no AVX-512, AVX2 or OpenMP: the torch path is the only path")
     if kernel == "torch":
         monkeypatch.setattr(ops, "paged_attention_available", lambda: False)
     c_kernel = ops.paged_attention
@@ -119,7 +119,7 @@ def test_long_prefill_is_split_into_row_slices_with_the_same_bits(monkeypatch: p
     assert torch.equal(whole, sliced)
 
 
-@pytest.mark.skipif(not ops.paged_attention_available(), reason="no AVX-512 or OpenMP: the torch path only")
+@pytest.mark.skipif(not ops.paged_attention_available(), reason="no AVX-512, AVX2 or OpenMP: the torch path only")
 @pytest.mark.parametrize(("window", "softcap"), [(None, None), (100, None), (None, 0.1)])  # Gemma 2 softcap
 @pytest.mark.parametrize(("hq", "hkv"), [(8, 2), (6, 1), (3, 3)])  # the kernel takes query heads 4 at a time
 def test_c_kernel_matches_float64_softmax_with_grouped_heads_at_the_real_head_size(

@@ -157,7 +157,6 @@ def test_the_avx2_build_of_the_int8_matmul_gives_the_same_bits(tmp_path: Path) -
     """The kernel has an AVX-512 and an AVX2 path; whichever this machine compiles natively, the AVX2 build must
     compute the documented arithmetic bit for bit (and so equal the AVX-512 path, tested above where it runs)."""
     lib = avx2_library(tmp_path, "int8_matmul")
-    assert lib.paged_attention_available() == 0  # AVX2 only, indeed
     w = weight(130, 640, torch.bfloat16)
     q, scale = quantize_int8(w)
     tiles = tile_int8(q)

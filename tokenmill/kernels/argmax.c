@@ -11,8 +11,9 @@
 
 #include "kernels.h"
 
-#if defined(__AVX512F__) && defined(_OPENMP)
-#include <immintrin.h>
+#include "vec16.h"
+
+#if defined(VEC16) && defined(_OPENMP)
 #include <math.h>
 #include <omp.h>
 
@@ -22,18 +23,13 @@ int argmax_available(void) { return 1; }
 
 /* x[lo, hi) -> the first index of its largest value, or of its first NaN (*nan = 1) */
 static int64_t scan(const float *x, int64_t lo, int64_t hi, int *nan) {
-    const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
-    __m512 best = neg_inf;
-    __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); /* lane l: element l */
-    __m512i iota = at;
-    __mmask16 unordered = 0;
+    v16 best = v16_set1(-INFINITY);
+    v16i at = v16i_iota(); /* lane l: element lo + l, until a greater value comes */
+    int unordered = 0;
     for (int64_t i = lo; i < hi; i += 16) {
-        __mmask16 live = hi - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (hi - i)) - 1);
-        __m512 v = _mm512_mask_loadu_ps(neg_inf, live, x + i);
-        unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        __mmask16 greater = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ); /* strictly: a lane keeps its first maximum */
-        best = _mm512_mask_mov_ps(best, greater, v);
-        at = _mm512_mask_mov_epi32(at, greater, _mm512_add_epi32(iota, _mm512_set1_epi32((int32_t)(i - lo))));
+        v16 v = v16_load_first(x + i, hi - i, -INFINITY);
+        unordered |= v16_any_nan(v);
+        v16_keep_greater(v, v16i_add(v16i_iota(), (int32_t)(i - lo)), &best, &at); /* strictly: a lane's first */
     }
     if (unordered) {
         for (int64_t i = lo; i < hi; i++)
@@ -43,9 +39,14 @@ static int64_t scan(const float *x, int64_t lo, int64_t hi, int *nan) {
             }
     }
     *nan = 0;
-    float top = _mm512_reduce_max_ps(best);
-    __mmask16 tied = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
-    return lo + _mm512_mask_reduce_min_epi32(tied, at);
+    float value[16];
+    int32_t where[16];
+    v16_store(value, best);
+    v16i_store(where, at);
+    int pick = 0; /* the largest lane, and among equals the one whose element comes first */
+    for (int l = 1; l < 16; l++)
+        if (value[l] > value[pick] || (value[l] == value[pick] && where[l] < where[pick])) pick = l;
+    return lo + where[pick];
 }
 
 /* x (rows, n) float32, contiguous -> out (rows,) int64. Returns 0, or -1 when out of memory. */
@@ -78,7 +79,7 @@ int argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out, int threa
     return 0;
 }
 
-#else /* no AVX-512 or no OpenMP: the sampler keeps torch.argmax */
+#else /* neither AVX-512 nor AVX2 + FMA, or no OpenMP: the sampler keeps torch.argmax */
 int argmax_available(void) { return 0; }
 int argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out, int threads) {
     (void)x, (void)rows, (void)n, (void)out, (void)threads;

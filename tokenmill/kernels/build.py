@@ -51,7 +51,7 @@ SOURCES = [
     )
 ]
 KERNELS_H = HERE / "kernels.h"  # the prototypes and limits C and Python share
-HEADERS = [KERNELS_H, HERE / "bf16.h", HERE / "avx512_common.h", HERE / "avx2_common.h"]
+HEADERS = [KERNELS_H, HERE / "bf16.h", HERE / "vec16.h", HERE / "avx512_common.h", HERE / "avx2_common.h"]
 FLAGS = ["-O3", "-ffp-contract=off", "-fPIC", "-shared"]
 DIR_MODE = 0o700
 SLOWER = "the torch paths run instead, which are slower (see the README's Performance section)"

@@ -15,8 +15,8 @@ The README's Performance section has what each gains. Each computes the arithmet
 build.py compiles them on first use and caches the build. `library()` is that library, or None where it could not be
 built (no compiler, an unsafe cache directory; build.py logs why) or TOKENMILL_FUSED=0 turns it off; `usable(x)` says
 whether a tensor takes the C path (bf16 on the CPU, and a library). Each threaded kernel also says whether it was
-compiled in (`*_available()`): the int8 matmul needs AVX-512 VNNI or AVX2, the others AVX-512F, and all of them
-OpenMP; where one is missing its caller keeps the torch path, which runs the same arithmetic in torch ops.
+compiled in (`*_available()`): each needs AVX-512 (VNNI for the int8 and GGUF matmuls) or AVX2 + FMA (and F16C for
+the GGUF matmul), and OpenMP; where one is missing its caller keeps the torch path, which runs the same arithmetic in torch ops.
 """
 
 from __future__ import annotations
@@ -82,22 +82,22 @@ def gguf_amx(enable: bool | None = None) -> bool:
 
 
 def paged_attention_available() -> bool:
-    """AVX-512F and OpenMP (see paged_attention.c)."""
+    """AVX-512F or AVX2 + FMA, and OpenMP (see paged_attention.c)."""
     return _built("paged_attention")
 
 
 def argmax_available() -> bool:
-    """AVX-512F and OpenMP (see argmax.c)."""
+    """AVX-512F or AVX2 + FMA, and OpenMP (see argmax.c)."""
     return _built("argmax")
 
 
 def gelu_mul_available() -> bool:
-    """AVX-512F and OpenMP (see gelu.c)."""
+    """AVX-512F or AVX2 + FMA, and OpenMP (see gelu.c)."""
     return _built("gelu_mul")
 
 
 def silu_mul_available() -> bool:
-    """Compiled with gelu_mul, in gelu.c: AVX-512F and OpenMP."""
+    """Compiled with gelu_mul, in gelu.c."""
     return _built("gelu_mul")
 
 

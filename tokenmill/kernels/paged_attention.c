@@ -17,95 +17,94 @@
 
 #include "kernels.h"
 
-#if defined(__AVX512F__) && defined(_OPENMP)
-#include <immintrin.h>
+#include "vec16.h"
+
+#if defined(VEC16) && defined(_OPENMP)
 #include <math.h>
 #include <omp.h>
-
-#include "avx512_common.h"
 
 int paged_attention_available(void) { return 1; }
 
 /* Up to GROUP query heads that share one KV head, for one query row, over `count` keys -> out (gs, d) bf16.
  * Each head's numbers come from the same loops whatever the grouping: the dot product over d in 16 lanes (one FMA
  * chain per lane), reduced in a fixed order; the softmax and the weighted sum of values in key order. The grouping
- * only shares the loads of keys and values (and computes two keys at a time to keep the FMA units busy). */
+ * only shares the loads of keys and values (and computes two keys at a time to keep the FMA units busy), as does
+ * the number of 16-lane vectors of output summed at a time (more in AVX-512's 32 registers than in AVX2's 16). */
 #define GROUP 4
+#if defined(VEC16_WIDE)
+#define OUT_VECTORS 4
+#else
+#define OUT_VECTORS 2
+#endif
 static inline __attribute__((always_inline)) void attend_group(
     const uint16_t *q, int64_t q_head_stride, const uint16_t *k_cache, const uint16_t *v_cache,
     const int64_t *slots, int64_t count, int64_t slot_stride, int64_t d, float scale, float softcap, float *scores,
     uint16_t *out, const int GS) {
-    __m512 qf[GROUP][MAX_ATTENTION_HEAD_DIM / 16];
+    v16 qf[GROUP][MAX_ATTENTION_HEAD_DIM / 16];
     int64_t lanes = d / 16;
     for (int g = 0; g < GS; g++)
-        for (int64_t i = 0; i < lanes; i++) qf[g][i] = load_bf16(q + g * q_head_stride + 16 * i);
+        for (int64_t i = 0; i < lanes; i++) qf[g][i] = v16_load_bf16(q + g * q_head_stride + 16 * i);
     float *s[GROUP];
     for (int g = 0; g < GS; g++) s[g] = scores + g * (count + 16);
     int64_t j = 0;
     for (; j + 2 <= count; j += 2) {
         const uint16_t *k0 = k_cache + slots[j] * slot_stride, *k1 = k_cache + slots[j + 1] * slot_stride;
-        __m512 a0[GROUP], a1[GROUP];
-        for (int g = 0; g < GS; g++) a0[g] = a1[g] = _mm512_setzero_ps();
+        v16 a0[GROUP], a1[GROUP];
+        for (int g = 0; g < GS; g++) a0[g] = a1[g] = v16_zero();
         for (int64_t i = 0; i < lanes; i++) {
-            __m512 x0 = load_bf16(k0 + 16 * i), x1 = load_bf16(k1 + 16 * i);
+            v16 x0 = v16_load_bf16(k0 + 16 * i), x1 = v16_load_bf16(k1 + 16 * i);
             for (int g = 0; g < GS; g++) {
-                a0[g] = _mm512_fmadd_ps(qf[g][i], x0, a0[g]);
-                a1[g] = _mm512_fmadd_ps(qf[g][i], x1, a1[g]);
+                a0[g] = v16_fma(qf[g][i], x0, a0[g]);
+                a1[g] = v16_fma(qf[g][i], x1, a1[g]);
             }
         }
         for (int g = 0; g < GS; g++) {
-            s[g][j] = _mm512_reduce_add_ps(a0[g]) * scale;
-            s[g][j + 1] = _mm512_reduce_add_ps(a1[g]) * scale;
+            s[g][j] = v16_reduce_add(a0[g]) * scale;
+            s[g][j + 1] = v16_reduce_add(a1[g]) * scale;
         }
     }
     for (; j < count; j++) {
         const uint16_t *k0 = k_cache + slots[j] * slot_stride;
-        __m512 a0[GROUP];
-        for (int g = 0; g < GS; g++) a0[g] = _mm512_setzero_ps();
+        v16 a0[GROUP];
+        for (int g = 0; g < GS; g++) a0[g] = v16_zero();
         for (int64_t i = 0; i < lanes; i++) {
-            __m512 x0 = load_bf16(k0 + 16 * i);
-            for (int g = 0; g < GS; g++) a0[g] = _mm512_fmadd_ps(qf[g][i], x0, a0[g]);
+            v16 x0 = v16_load_bf16(k0 + 16 * i);
+            for (int g = 0; g < GS; g++) a0[g] = v16_fma(qf[g][i], x0, a0[g]);
         }
-        for (int g = 0; g < GS; g++) s[g][j] = _mm512_reduce_add_ps(a0[g]) * scale;
+        for (int g = 0; g < GS; g++) s[g][j] = v16_reduce_add(a0[g]) * scale;
     }
     if (softcap > 0) /* Gemma 2: s_j = softcap * tanh(s_j / softcap), before the softmax */
         for (int g = 0; g < GS; g++)
             for (int64_t t = 0; t < count; t++) s[g][t] = softcap * tanhf(s[g][t] / softcap);
     float inv[GROUP];
     for (int g = 0; g < GS; g++) { /* p_j = exp(s_j - max), in place; inv = 1 / sum p */
-        __m512 top = _mm512_set1_ps(-INFINITY);
-        for (int64_t t = 0; t < count; t += 16) {
-            __mmask16 live = count - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (count - t)) - 1);
-            top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, s[g] + t));
+        v16 top = v16_set1(-INFINITY);
+        for (int64_t t = 0; t < count; t += 16) top = v16_max(top, v16_load_first(s[g] + t, count - t, -INFINITY));
+        v16 shift = v16_set1(v16_reduce_max(top)), sum = v16_zero();
+        for (int64_t t = 0; t < count; t += 16) { /* lanes past the end: e^-inf = 0, adding nothing to the sum */
+            v16 p = v16_exp_nonpositive(v16_sub(v16_load_first(s[g] + t, count - t, -INFINITY), shift));
+            v16_store_first(s[g] + t, count - t, p);
+            sum = v16_add(sum, p);
         }
-        __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top)), sum = _mm512_setzero_ps();
-        for (int64_t t = 0; t < count; t += 16) {
-            __mmask16 live = count - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (count - t)) - 1);
-            __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(live, s[g] + t), shift);
-            __m512 p = _mm512_maskz_mov_ps(live, exp_nonpositive(x));
-            _mm512_mask_storeu_ps(s[g] + t, live, p);
-            sum = _mm512_add_ps(sum, p);
-        }
-        inv[g] = 1.0f / _mm512_reduce_add_ps(sum);
+        inv[g] = 1.0f / v16_reduce_add(sum);
     }
-    for (int64_t c = 0; c < lanes; c += 4) { /* 64 output dims of every head at a time: GS x 4 accumulators */
-        int width = lanes - c < 4 ? (int)(lanes - c) : 4;
-        __m512 acc[GROUP][4];
+    for (int64_t c = 0; c < lanes; c += OUT_VECTORS) { /* OUT_VECTORS x 16 output dims of every head at a time */
+        int width = lanes - c < OUT_VECTORS ? (int)(lanes - c) : OUT_VECTORS;
+        v16 acc[GROUP][OUT_VECTORS];
         for (int g = 0; g < GS; g++)
-            for (int i = 0; i < 4; i++) acc[g][i] = _mm512_setzero_ps();
+            for (int i = 0; i < OUT_VECTORS; i++) acc[g][i] = v16_zero();
         for (int64_t t = 0; t < count; t++) {
             const uint16_t *v = v_cache + slots[t] * slot_stride + 16 * c;
-            __m512 x[4];
-            for (int i = 0; i < 4; i++) x[i] = i < width ? load_bf16(v + 16 * i) : _mm512_setzero_ps();
+            v16 x[OUT_VECTORS];
+            for (int i = 0; i < OUT_VECTORS; i++) x[i] = i < width ? v16_load_bf16(v + 16 * i) : v16_zero();
             for (int g = 0; g < GS; g++) {
-                __m512 p = _mm512_set1_ps(s[g][t]);
-                for (int i = 0; i < 4; i++) acc[g][i] = _mm512_fmadd_ps(p, x[i], acc[g][i]);
+                v16 p = v16_set1(s[g][t]);
+                for (int i = 0; i < OUT_VECTORS; i++) acc[g][i] = v16_fma(p, x[i], acc[g][i]);
             }
         }
         for (int g = 0; g < GS; g++) {
-            __m512 norm = _mm512_set1_ps(inv[g]);
-            for (int i = 0; i < width; i++)
-                _mm256_storeu_si256((__m256i *)(out + g * d + 16 * (c + i)), to_bf16(_mm512_mul_ps(acc[g][i], norm)));
+            v16 norm = v16_set1(inv[g]);
+            for (int i = 0; i < width; i++) v16_store_bf16(out + g * d + 16 * (c + i), v16_mul(acc[g][i], norm));
         }
     }
 }
@@ -143,7 +142,7 @@ int paged_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache
     return failed ? -1 : 0;
 }
 
-#else /* no AVX-512 or no OpenMP: attention.py keeps its torch path */
+#else /* neither AVX-512 nor AVX2 + FMA, or no OpenMP: attention.py keeps its torch path */
 int paged_attention_available(void) { return 0; }
 int paged_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                     const int64_t *slots, const int64_t *offset, const int64_t *count, int64_t rows, int64_t hq,

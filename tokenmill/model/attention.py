@@ -1,6 +1,6 @@
 """Attention over the paged KV cache, computed so that a query row's numbers never depend on its neighbours.
 
-bf16 on a CPU with AVX-512: one C call per layer (paged_attention.c) takes every row of the step with its list of
+bf16 on a CPU with AVX-512 or AVX2: one C call per layer (paged_attention.c) takes every row of the step with its list of
 visible cache slots (KeyLists) and computes each (row, head) by itself, from fixed loops.
 
 Otherwise (float32, other CPUs), in torch: a row's keys are split into chunks of CHUNK positions that start at

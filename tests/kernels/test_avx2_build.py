@@ -1,0 +1,64 @@
+"""The kernels written once over vec16.h (attention, the gated activations, argmax): their AVX2 build (-march=haswell)
+gives the native build's bits, so a CPU without AVX-512 computes what one with it does (on an AVX-512 machine this
+holds the two paths equal; on an AVX2 one, the two compilations)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from tests.kernels.avx2_build import RUNS_HERE, avx2_library
+from tokenmill.kernels import ops
+
+pytestmark = pytest.mark.skipif(not RUNS_HERE, reason="the AVX2 build cannot run here")
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def avx2(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    return avx2_library(tmp_path_factory.mktemp("avx2"), "paged_attention")
+
+
+@pytest.mark.skipif(not ops.paged_attention_available(), reason="no native attention kernel here")
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(8, 2, 256), (6, 1, 64), (3, 3, 80)])
+@pytest.mark.parametrize("softcap", [0.0, 0.1])
+def test_attention(avx2: ctypes.CDLL, hq: int, hkv: int, d: int, softcap: float) -> None:
+    gen = torch.Generator().manual_seed(d + hq)
+    k_cache = torch.randn(600, hkv, d, generator=gen).to(BF16)
+    v_cache = torch.randn(600, hkv, d, generator=gen).to(BF16)
+    slots = torch.randperm(600, generator=gen)[:70]
+    q = (torch.randn(5, hq, d, generator=gen) * 0.3).to(BF16)
+    offset = torch.zeros(5, dtype=torch.int64)
+    count = torch.tensor([1, 2, 17, 33, 70])  # ragged ends of the 16-lane softmax passes
+    native = ops.paged_attention(q, k_cache, v_cache, slots, offset, count, d**-0.5, softcap)
+    out = torch.empty_like(native)
+    args = (q.data_ptr(), hq * d, k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), offset.data_ptr())
+    assert avx2.paged_attention(*args, count.data_ptr(), 5, hq, hkv, d, d**-0.5, softcap, out.data_ptr(), 2) == 0
+    assert torch.equal(native.view(torch.int16), out.view(torch.int16))
+
+
+@pytest.mark.skipif(not ops.gelu_mul_available(), reason="no native activation kernels here")
+@pytest.mark.parametrize("kernel", ["gelu_mul", "silu_mul"])
+def test_gated_activations(avx2: ctypes.CDLL, kernel: str) -> None:
+    f = 1024
+    gate_up = (torch.randn(9, 2 * f, generator=torch.Generator().manual_seed(5)) * 6.0).to(BF16)
+    gate_up[0, :8] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 90.0, -90.0, 3e38, float("-inf")])  # the exp's edges
+    native = getattr(ops, kernel)(gate_up)
+    out = torch.empty_like(native)
+    getattr(avx2, kernel)(gate_up.data_ptr(), 2 * f, 9, f, out.data_ptr(), 2)
+    assert torch.equal(native.view(torch.int16), out.view(torch.int16))
+
+
+@pytest.mark.skipif(not ops.argmax_available(), reason="no native argmax here")
+def test_argmax(avx2: ctypes.CDLL) -> None:
+    n = 2 * 32768 + 9
+    x = torch.randn(5, n, generator=torch.Generator().manual_seed(6))
+    x[1, 3] = x[1, 40000] = 80.0  # a tie across segments
+    x[2, 99] = float("nan")
+    x[3] = float("-inf")
+    x[4, n - 1] = 90.0
+    out = torch.empty(5, dtype=torch.int64)
+    assert avx2.argmax_rows(x.data_ptr(), 5, n, out.data_ptr(), 2) == 0
+    assert out.tolist() == ops.argmax_rows(x) == x.argmax(dim=-1).tolist()
