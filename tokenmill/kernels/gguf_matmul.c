@@ -381,6 +381,10 @@ static inline ivec iv_with_bits2(ivec u, ivec h, int q) {
 static inline ivec iv_signed_codes(ivec v) { return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80)); }
 static inline ivec iv_dot(ivec acc, ivec u, int32_t x4) { return _mm512_dpbusd_epi32(acc, u, _mm512_set1_epi32(x4)); }
 static inline ivec iv_dot_signed(ivec acc, ivec u, int32_t x4) { return iv_dot(acc, u, x4); }
+/* two steps of unsigned codes at most 63 (every type but Q8_0) */
+static inline ivec iv_dot2(ivec acc, ivec u0, int32_t x0, ivec u1, int32_t x1) {
+    return iv_dot(iv_dot(acc, u0, x0), u1, x1);
+}
 #define Q8_0_OFFSET 128
 static inline ivec iv_sub_set1(ivec v, int32_t s) { return _mm512_sub_epi32(v, _mm512_set1_epi32(s)); }
 static inline ivec iv_set1(int32_t s) { return _mm512_set1_epi32(s); }
@@ -457,6 +461,17 @@ static inline ivec iv_signed_codes(ivec v) { return v; }
 static inline ivec iv_dot(ivec acc, ivec u, int32_t x4) {
     __m256i x = _mm256_set1_epi32(x4);
     return IV2(_mm256_add_epi32(acc.a, dot_unsigned(u.a, x)), _mm256_add_epi32(acc.b, dot_unsigned(u.b, x)));
+}
+/* two steps of unsigned codes at most 63 (every type but Q8_0): their int16 pair sums, each at most 2 * 63 * 127,
+ * added before one widening to int32 (at most 32,004: exact) */
+static inline __m256i dot2_unsigned(__m256i u0, __m256i x0, __m256i u1, __m256i x1) {
+    __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u0, x0), _mm256_maddubs_epi16(u1, x1));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+static inline ivec iv_dot2(ivec acc, ivec u0, int32_t x0, ivec u1, int32_t x1) {
+    __m256i a = _mm256_set1_epi32(x0), b = _mm256_set1_epi32(x1);
+    return IV2(_mm256_add_epi32(acc.a, dot2_unsigned(u0.a, a, u1.a, b)),
+               _mm256_add_epi32(acc.b, dot2_unsigned(u0.b, a, u1.b, b)));
 }
 static inline ivec iv_dot_signed(ivec acc, ivec w, int32_t x4) {
     __m256i x = _mm256_set1_epi32(x4);
@@ -572,9 +587,12 @@ ALWAYS_INLINE void rows_update(int type, const ivec *vec, factors f, const xbloc
     if (R == 1) { /* one row: two chains of dot products (each waits on the last), joined exactly */
         ivec start = code_offset(type) ? iv_set1(xb[0]->halves[0]) : iv_zero();
         ivec chain[2][2] = {{start, iv_zero()}, {iv_zero(), iv_zero()}};
-        for (int g = 0; g < 8; g++) {
-            ivec *c = &chain[g / 4][g % 2];
-            *c = type == Q8_0 ? iv_dot_signed(*c, vec[g], four(xb[0], g)) : iv_dot(*c, vec[g], four(xb[0], g));
+        for (int g = 0; g < 8; g += 2) {
+            ivec *c = &chain[g / 4][g / 2 % 2];
+            if (type == Q8_0)
+                *c = iv_dot_signed(iv_dot_signed(*c, vec[g], four(xb[0], g)), vec[g + 1], four(xb[0], g + 1));
+            else
+                *c = iv_dot2(*c, vec[g], four(xb[0], g), vec[g + 1], four(xb[0], g + 1));
         }
         ivec lo = iv_add(chain[0][0], chain[0][1]), hi = iv_add(chain[1][0], chain[1][1]);
         half[0] = lo;
@@ -584,15 +602,16 @@ ALWAYS_INLINE void rows_update(int type, const ivec *vec, factors f, const xbloc
             sum[r] = code_offset(type) ? iv_set1(xb[r]->halves[0]) : iv_zero();
             half[r] = iv_zero();
         }
-        for (int g = 0; g < 8; g++) {
+        for (int g = 0; g < 8; g += 2) {
             if (type == Q6_K && g == 4)
                 for (int r = 0; r < R; r++) {
                     half[r] = sum[r];
                     sum[r] = iv_zero();
                 }
             for (int r = 0; r < R; r++)
-                sum[r] = type == Q8_0 ? iv_dot_signed(sum[r], vec[g], four(xb[r], g))
-                                      : iv_dot(sum[r], vec[g], four(xb[r], g));
+                sum[r] = type == Q8_0 ? iv_dot_signed(iv_dot_signed(sum[r], vec[g], four(xb[r], g)), vec[g + 1],
+                                                      four(xb[r], g + 1))
+                                      : iv_dot2(sum[r], vec[g], four(xb[r], g), vec[g + 1], four(xb[r], g + 1));
         }
     }
     for (int r = 0; r < R; r++) {
