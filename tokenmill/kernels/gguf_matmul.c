@@ -380,7 +380,11 @@ static inline ivec iv_with_bits2(ivec u, ivec h, int q) {
 /* Q8_0's signed codes made unsigned (+128; subtracted back through the activation sums) */
 static inline ivec iv_signed_codes(ivec v) { return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80)); }
 static inline ivec iv_dot(ivec acc, ivec u, int32_t x4) { return _mm512_dpbusd_epi32(acc, u, _mm512_set1_epi32(x4)); }
-static inline ivec iv_dot_signed(ivec acc, ivec u, int32_t x4) { return iv_dot(acc, u, x4); }
+static inline ivec iv_magnitude(ivec v) { return v; } /* unused: the codes went unsigned */
+static inline ivec iv_dot_signed(ivec acc, ivec u, ivec magnitude, int32_t x4) {
+    (void)magnitude;
+    return iv_dot(acc, u, x4);
+}
 /* two steps of unsigned codes at most 63 (every type but Q8_0) */
 static inline ivec iv_dot2(ivec acc, ivec u0, int32_t x0, ivec u1, int32_t x1) {
     return iv_dot(iv_dot(acc, u0, x0), u1, x1);
@@ -416,11 +420,6 @@ static inline void fv_store_out(void *out, fvec v, int float_out) {
 /* lanes j = sum over i in [4j, 4j+4) of u[i] * x[i], for unsigned codes u */
 static inline __m256i dot_unsigned(__m256i u, __m256i x) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
-}
-
-/* the same for signed codes w (Q8_0): |w| against x with w's sign (exact for every w, -128 included) */
-static inline __m256i dot_signed(__m256i w, __m256i x) {
-    return dot_unsigned(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
 }
 
 /* 32 bits -> 32 bytes: byte i is `value` where bit i is set, else 0 */
@@ -473,9 +472,13 @@ static inline ivec iv_dot2(ivec acc, ivec u0, int32_t x0, ivec u1, int32_t x1) {
     return IV2(_mm256_add_epi32(acc.a, dot2_unsigned(u0.a, a, u1.a, b)),
                _mm256_add_epi32(acc.b, dot2_unsigned(u0.b, a, u1.b, b)));
 }
-static inline ivec iv_dot_signed(ivec acc, ivec w, int32_t x4) {
+/* signed codes w (Q8_0): |w| against x with w's sign (exact for every w, -128 included), |w| taken once per vector
+ * for all the rows */
+static inline ivec iv_magnitude(ivec w) { return IV2(_mm256_abs_epi8(w.a), _mm256_abs_epi8(w.b)); }
+static inline ivec iv_dot_signed(ivec acc, ivec w, ivec magnitude, int32_t x4) {
     __m256i x = _mm256_set1_epi32(x4);
-    return IV2(_mm256_add_epi32(acc.a, dot_signed(w.a, x)), _mm256_add_epi32(acc.b, dot_signed(w.b, x)));
+    return IV2(_mm256_add_epi32(acc.a, dot_unsigned(magnitude.a, _mm256_sign_epi8(x, w.a))),
+               _mm256_add_epi32(acc.b, dot_unsigned(magnitude.b, _mm256_sign_epi8(x, w.b))));
 }
 #define Q8_0_OFFSET 0
 static inline ivec iv_sub_set1(ivec v, int32_t s) {
@@ -581,8 +584,8 @@ static inline void prefetch_through(const char **ahead, const uint8_t *used) {
 /* R rows' update by one sub-block: the exact int32 sums of the decoded vectors against each row's block (from the
  * offset quantize_rows left), then one float step per row (K-quants' minimums in `mins`). Q6_K's halves (elements
  * 0-15, 16-31) are summed apart. */
-ALWAYS_INLINE void rows_update(int type, const ivec *vec, factors f, const xblock *const *xb, fvec *acc, fvec *mins,
-                               const int R) {
+ALWAYS_INLINE void rows_update(int type, const ivec *vec, const ivec *mag, factors f, const xblock *const *xb,
+                               fvec *acc, fvec *mins, const int R) {
     ivec sum[ROW_STEP], half[ROW_STEP];
     if (R == 1) { /* one row: two chains of dot products (each waits on the last), joined exactly */
         ivec start = code_offset(type) ? iv_set1(xb[0]->halves[0]) : iv_zero();
@@ -590,7 +593,8 @@ ALWAYS_INLINE void rows_update(int type, const ivec *vec, factors f, const xbloc
         for (int g = 0; g < 8; g += 2) {
             ivec *c = &chain[g / 4][g / 2 % 2];
             if (type == Q8_0)
-                *c = iv_dot_signed(iv_dot_signed(*c, vec[g], four(xb[0], g)), vec[g + 1], four(xb[0], g + 1));
+                *c = iv_dot_signed(iv_dot_signed(*c, vec[g], mag[g], four(xb[0], g)), vec[g + 1], mag[g + 1],
+                                   four(xb[0], g + 1));
             else
                 *c = iv_dot2(*c, vec[g], four(xb[0], g), vec[g + 1], four(xb[0], g + 1));
         }
@@ -609,8 +613,8 @@ ALWAYS_INLINE void rows_update(int type, const ivec *vec, factors f, const xbloc
                     sum[r] = iv_zero();
                 }
             for (int r = 0; r < R; r++)
-                sum[r] = type == Q8_0 ? iv_dot_signed(iv_dot_signed(sum[r], vec[g], four(xb[r], g)), vec[g + 1],
-                                                      four(xb[r], g + 1))
+                sum[r] = type == Q8_0 ? iv_dot_signed(iv_dot_signed(sum[r], vec[g], mag[g], four(xb[r], g)), vec[g + 1],
+                                                      mag[g + 1], four(xb[r], g + 1))
                                       : iv_dot2(sum[r], vec[g], four(xb[r], g), vec[g + 1], four(xb[r], g + 1));
         }
     }
@@ -647,18 +651,20 @@ ALWAYS_INLINE void packed_group(int type, const uint8_t *w, const xblock *x, int
         for (int j = 0; j < S; j++) {
             factors f = sub_block_factors(type, blk, d, j);
             prefetch_through(&ahead, codes + (j + 1) * code_bytes(type));
-            ivec vec[8];
+            ivec vec[8], mag[8]; /* mag: Q8_0's |codes| (AVX2's signed products) */
             for (int g = 0; g < 8; g++) vec[g] = packed_vector(type, codes + j * code_bytes(type), g);
+            if (type == Q8_0)
+                for (int g = 0; g < 8; g++) mag[g] = iv_magnitude(vec[g]);
             const xblock *block = x + (u * S + j) * m; /* this sub-block's rows, side by side */
             int64_t r = 0;
             for (; r + ROW_STEP <= rows; r += ROW_STEP) {
                 const xblock *xb[ROW_STEP];
                 for (int i = 0; i < ROW_STEP; i++) xb[i] = block + r + i;
-                rows_update(type, vec, f, xb, res + r, mins + r, ROW_STEP);
+                rows_update(type, vec, mag, f, xb, res + r, mins + r, ROW_STEP);
             }
             for (; r < rows; r++) {
                 const xblock *xb = block + r;
-                rows_update(type, vec, f, &xb, res + r, mins + r, 1);
+                rows_update(type, vec, mag, f, &xb, res + r, mins + r, 1);
             }
         }
     }
