@@ -34,42 +34,64 @@ static int project(const gguf_linear *linear, const uint16_t *x, int64_t t, uint
     return 0;
 }
 
+/* A layer's scratch rows, one allocation (h first, the rest after it): h holds the normed input, then o's
+ * product, then the normed input again, then down's product */
+typedef struct {
+    uint16_t *h, *qkv, *qk, *attn, *gate_up, *act;
+} layer_scratch;
+
+/* 0, or -1 where the plan's shapes disagree, -2 without memory */
+static int scratch_for(const decoder_layer_plan *p, int64_t t, layer_scratch *s) {
+    const int64_t hidden = p->hidden, d = p->head_dim, hq = p->heads, hkv = p->kv_heads, ffn = p->ffn;
+    if (p->qkv.n != (hq + 2 * hkv) * d || p->o.k != hq * d || p->gate_up.n != 2 * ffn || p->down.k != ffn) return -1;
+    size_t rows = (size_t)t, elems = rows * (size_t)(hidden + p->qkv.n + (hq + hkv) * d + hq * d + 3 * ffn);
+    if ((s->h = malloc(elems * sizeof *s->h)) == NULL) return -2;
+    s->qkv = s->h + rows * hidden;
+    s->qk = s->qkv + rows * p->qkv.n;
+    s->attn = s->qk + rows * (hq + hkv) * d;
+    s->gate_up = s->attn + rows * hq * d;
+    s->act = s->gate_up + rows * 2 * ffn;
+    return 0;
+}
+
+/* The step's k (rotated, in qk) and v (in qkv) rows to their cache slots (attention.py's index_copy_), then
+ * attention of the rotated q rows into s->attn */
+static int attend(const decoder_layer_plan *p, const layer_scratch *s, int64_t t, uint16_t *k_cache, uint16_t *v_cache,
+                  const int64_t *slot_mapping, const int64_t *slots, const int64_t *offset, const int64_t *count,
+                  int threads) {
+    const int64_t d = p->head_dim, hq = p->heads, hkv = p->kv_heads, heads = hq + hkv;
+    size_t row = (size_t)(hkv * d) * sizeof *s->h;
+    for (int64_t r = 0; r < t; r++) {
+        memcpy(k_cache + slot_mapping[r] * hkv * d, s->qk + (r * heads + hq) * d, row);
+        memcpy(v_cache + slot_mapping[r] * hkv * d, s->qkv + r * p->qkv.n + heads * d, row);
+    }
+    return paged_attention(s->qk, heads * d, k_cache, v_cache, slots, offset, count, t, hq, hkv, d, p->scale,
+                           p->softcap, s->attn, threads)
+               ? -1
+               : 0;
+}
+
 int gemma3_layer(const decoder_layer_plan *p, const uint16_t *x, uint16_t *out, int64_t t, const uint16_t *cos,
                  const uint16_t *signed_sin, uint16_t *k_cache, uint16_t *v_cache, const int64_t *slot_mapping,
                  const int64_t *slots, const int64_t *offset, const int64_t *count, int threads) {
-    const int64_t hidden = p->hidden, d = p->head_dim, hq = p->heads, hkv = p->kv_heads, ffn = p->ffn;
-    const int64_t qkv_width = p->qkv.n, heads = hq + hkv;
-    if (p->qkv.n != (hq + 2 * hkv) * d || p->o.k != hq * d || p->gate_up.n != 2 * ffn || p->down.k != ffn) return -1;
-    /* h: the normed input, then o's product, then the normed input again, then down's product; the rest one each */
-    size_t rows = (size_t)t, elems = rows * (size_t)(hidden + qkv_width + heads * d + hq * d + 3 * ffn);
-    uint16_t *h = malloc(elems * sizeof *h);
-    if (h == NULL) return -2;
-    uint16_t *qkv = h + rows * hidden, *qk = qkv + rows * qkv_width, *attn = qk + rows * heads * d;
-    uint16_t *gate_up = attn + rows * hq * d, *act = gate_up + rows * 2 * ffn;
-    int status = 0;
+    const int64_t hidden = p->hidden, ffn = p->ffn;
+    layer_scratch s;
+    int status = scratch_for(p, t, &s);
+    if (status) return status;
 
-    rms_norm(x, hidden, p->input_norm, h, t, hidden, p->eps);
-    if ((status = project(&p->qkv, h, t, qkv, threads))) goto done;
-    norm_rotary(qkv, qkv_width, p->qk_factor, cos, signed_sin, qk, t, heads, d, p->eps);
-    for (int64_t r = 0; r < t; r++) { /* paged_attention.py's index_copy_ of k and v into the cache */
-        size_t row = (size_t)(hkv * d) * sizeof *h;
-        memcpy(k_cache + slot_mapping[r] * hkv * d, qk + (r * heads + hq) * d, row);
-        memcpy(v_cache + slot_mapping[r] * hkv * d, qkv + r * qkv_width + heads * d, row);
-    }
-    if (paged_attention(qk, heads * d, k_cache, v_cache, slots, offset, count, t, hq, hkv, d, p->scale, p->softcap,
-                        attn, threads)) {
-        status = -1;
-        goto done;
-    }
-    if ((status = project(&p->o, attn, t, h, threads))) goto done;
-    add_rms_norm(x, h, p->post_attention_norm, out, t, hidden, p->eps);
-    rms_norm(out, hidden, p->pre_feedforward_norm, h, t, hidden, p->eps);
-    if ((status = project(&p->gate_up, h, t, gate_up, threads))) goto done;
-    gelu_mul(gate_up, 2 * ffn, t, ffn, act, threads);
-    if ((status = project(&p->down, act, t, h, threads))) goto done;
-    add_rms_norm(out, h, p->post_feedforward_norm, out, t, hidden, p->eps); /* row by row, each read before written */
+    rms_norm(x, hidden, p->input_norm, s.h, t, hidden, p->eps);
+    if ((status = project(&p->qkv, s.h, t, s.qkv, threads))) goto done;
+    norm_rotary(s.qkv, p->qkv.n, p->qk_factor, cos, signed_sin, s.qk, t, p->heads + p->kv_heads, p->head_dim, p->eps);
+    if ((status = attend(p, &s, t, k_cache, v_cache, slot_mapping, slots, offset, count, threads))) goto done;
+    if ((status = project(&p->o, s.attn, t, s.h, threads))) goto done;
+    add_rms_norm(x, s.h, p->post_attention_norm, out, t, hidden, p->eps);
+    rms_norm(out, hidden, p->pre_feedforward_norm, s.h, t, hidden, p->eps);
+    if ((status = project(&p->gate_up, s.h, t, s.gate_up, threads))) goto done;
+    gelu_mul(s.gate_up, 2 * ffn, t, ffn, s.act, threads);
+    if ((status = project(&p->down, s.act, t, s.h, threads))) goto done;
+    add_rms_norm(out, s.h, p->post_feedforward_norm, out, t, hidden, p->eps); /* row by row, read before written */
 done:
-    free(h);
+    free(s.h);
     return status;
 }
 
@@ -90,38 +112,24 @@ static void add_rows(const uint16_t *a, int64_t a_stride, const uint16_t *b, int
 int llama_layer(const decoder_layer_plan *p, const uint16_t *x, uint16_t *out, int64_t t, const uint16_t *cos,
                 const uint16_t *signed_sin, uint16_t *k_cache, uint16_t *v_cache, const int64_t *slot_mapping,
                 const int64_t *slots, const int64_t *offset, const int64_t *count, int threads) {
-    const int64_t hidden = p->hidden, d = p->head_dim, hq = p->heads, hkv = p->kv_heads, ffn = p->ffn;
-    const int64_t qkv_width = p->qkv.n, heads = hq + hkv;
-    if (p->qkv.n != (hq + 2 * hkv) * d || p->o.k != hq * d || p->gate_up.n != 2 * ffn || p->down.k != ffn) return -1;
-    size_t rows = (size_t)t, elems = rows * (size_t)(hidden + qkv_width + heads * d + hq * d + 3 * ffn);
-    uint16_t *h = malloc(elems * sizeof *h);
-    if (h == NULL) return -2;
-    uint16_t *qkv = h + rows * hidden, *qk = qkv + rows * qkv_width, *attn = qk + rows * heads * d;
-    uint16_t *gate_up = attn + rows * hq * d, *act = gate_up + rows * 2 * ffn;
-    int status = 0;
+    const int64_t hidden = p->hidden, ffn = p->ffn;
+    layer_scratch s;
+    int status = scratch_for(p, t, &s);
+    if (status) return status;
 
-    weighted_rms_norm(x, hidden, p->input_norm, h, t, hidden, p->eps);
-    if ((status = project(&p->qkv, h, t, qkv, threads))) goto done;
-    if (p->qkv_bias != NULL) add_rows(qkv, qkv_width, p->qkv_bias, 0, qkv, t, qkv_width);
-    rotary(qkv, qkv_width, cos, signed_sin, qk, t, heads, d);
-    for (int64_t r = 0; r < t; r++) { /* paged_attention.py's index_copy_ of k and v into the cache */
-        size_t row = (size_t)(hkv * d) * sizeof *h;
-        memcpy(k_cache + slot_mapping[r] * hkv * d, qk + (r * heads + hq) * d, row);
-        memcpy(v_cache + slot_mapping[r] * hkv * d, qkv + r * qkv_width + heads * d, row);
-    }
-    if (paged_attention(qk, heads * d, k_cache, v_cache, slots, offset, count, t, hq, hkv, d, p->scale, p->softcap,
-                        attn, threads)) {
-        status = -1;
-        goto done;
-    }
-    if ((status = project(&p->o, attn, t, h, threads))) goto done;
-    add_rows(x, hidden, h, hidden, out, t, hidden);
-    weighted_rms_norm(out, hidden, p->post_attention_norm, h, t, hidden, p->eps);
-    if ((status = project(&p->gate_up, h, t, gate_up, threads))) goto done;
-    silu_mul(gate_up, 2 * ffn, t, ffn, act, threads);
-    if ((status = project(&p->down, act, t, h, threads))) goto done;
-    add_rows(out, hidden, h, hidden, out, t, hidden);
+    weighted_rms_norm(x, hidden, p->input_norm, s.h, t, hidden, p->eps);
+    if ((status = project(&p->qkv, s.h, t, s.qkv, threads))) goto done;
+    if (p->qkv_bias != NULL) add_rows(s.qkv, p->qkv.n, p->qkv_bias, 0, s.qkv, t, p->qkv.n);
+    rotary(s.qkv, p->qkv.n, cos, signed_sin, s.qk, t, p->heads + p->kv_heads, p->head_dim);
+    if ((status = attend(p, &s, t, k_cache, v_cache, slot_mapping, slots, offset, count, threads))) goto done;
+    if ((status = project(&p->o, s.attn, t, s.h, threads))) goto done;
+    add_rows(x, hidden, s.h, hidden, out, t, hidden);
+    weighted_rms_norm(out, hidden, p->post_attention_norm, s.h, t, hidden, p->eps);
+    if ((status = project(&p->gate_up, s.h, t, s.gate_up, threads))) goto done;
+    silu_mul(s.gate_up, 2 * ffn, t, ffn, s.act, threads);
+    if ((status = project(&p->down, s.act, t, s.h, threads))) goto done;
+    add_rows(out, hidden, s.h, hidden, out, t, hidden);
 done:
-    free(h);
+    free(s.h);
     return status;
 }

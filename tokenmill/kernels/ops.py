@@ -236,21 +236,20 @@ def paged_attention(
 
 def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """(T, 2F) bf16, rows contiguous → gelu_tanh(gate) · up, (T, F) bf16 (gelu.c)."""
-    if gate_up.stride(-1) != 1:
-        gate_up = gate_up.contiguous()
-    t, f = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(t, f, dtype=torch.bfloat16)
-    _lib().gelu_mul(gate_up.data_ptr(), gate_up.stride(0), t, f, out.data_ptr(), torch.get_num_threads())
-    return out
+    return _gated("gelu_mul", gate_up)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """(T, 2F) bf16, rows contiguous → silu(gate) · up, (T, F) bf16 (gelu.c)."""
+    return _gated("silu_mul", gate_up)
+
+
+def _gated(kernel: str, gate_up: torch.Tensor) -> torch.Tensor:
     if gate_up.stride(-1) != 1:
         gate_up = gate_up.contiguous()
     t, f = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(t, f, dtype=torch.bfloat16)
-    _lib().silu_mul(gate_up.data_ptr(), gate_up.stride(0), t, f, out.data_ptr(), torch.get_num_threads())
+    getattr(_lib(), kernel)(gate_up.data_ptr(), gate_up.stride(0), t, f, out.data_ptr(), torch.get_num_threads())
     return out
 
 

@@ -8,7 +8,6 @@ one call, the same kernels in the same order as its modules call them, so the sa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -41,22 +40,40 @@ class CLayer:
         raise NotImplementedError
 
 
-def plannable(linears: Sequence[torch.nn.Module], head_dim: int, gate_up_width: int) -> bool:
+def projections(attn: Any, mlp: Any) -> tuple[torch.nn.Module, ...]:
+    """A layer's four projections, in PROJECTIONS' order (its attention and MLP modules name them alike)."""
+    return (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+
+
+def plannable(attn: Any, mlp: Any) -> bool:
     """The kernels are built, every projection is GGUF blocks the C matmul takes, and the shapes fit the kernels."""
     return (
         ops.library() is not None
         and ops.decoder_layer_available()
-        and all(isinstance(m, GgufLinear) and m.kernel and len(m.types) <= ops.GGUF_LINEAR_MAX_PARTS for m in linears)
-        and head_dim % 16 == 0
-        and head_dim <= min(ops.MAX_ATTENTION_HEAD_DIM, ops.MAX_HEAD_DIM)
-        and gate_up_width % 32 == 0
+        and all(
+            isinstance(m, GgufLinear) and m.kernel and len(m.types) <= ops.GGUF_LINEAR_MAX_PARTS
+            for m in projections(attn, mlp)
+        )
+        and attn.head_dim % 16 == 0
+        and attn.head_dim <= min(ops.MAX_ATTENTION_HEAD_DIM, ops.MAX_HEAD_DIM)
+        and mlp.gate_up_proj.out_features % 32 == 0
     )
 
 
-def layer_plan(linears: Sequence[torch.nn.Module], **fields: Any) -> ops.DecoderLayerPlan:
-    """The plan with `fields` (shapes, factors' addresses) and the four projections' parts (qkv, o, gate_up, down)."""
-    plan = ops.DecoderLayerPlan(**fields)
-    for field, linear in zip(PROJECTIONS, linears, strict=True):
+def layer_plan(attn: Any, mlp: Any, **fields: Any) -> ops.DecoderLayerPlan:
+    """The plan: the shapes and the attention's scale from the layer's modules, `fields` the rest (eps, the norms'
+    factors' addresses), and the four projections' parts (qkv, o, gate_up, down)."""
+    plan = ops.DecoderLayerPlan(
+        hidden=attn.o_proj.out_features,
+        heads=attn.num_heads,
+        kv_heads=attn.num_kv_heads,
+        head_dim=attn.head_dim,
+        ffn=mlp.gate_up_proj.out_features // 2,
+        scale=attn.scale,
+        softcap=0.0,
+        **fields,
+    )
+    for field, linear in zip(PROJECTIONS, projections(attn, mlp), strict=True):
         assert isinstance(linear, GgufLinear)
         projection = getattr(plan, field)
         projection.k, projection.n = linear.k, linear.out_features

@@ -95,19 +95,12 @@ class Gemma3DecoderLayer(CLayer, nn.Module):
 
     def _build_plan(self) -> ops.DecoderLayerPlan | None:
         attn, mlp = self.self_attn, self.mlp
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not (attn.qk_norm and not attn.softcap and plannable(linears, attn.head_dim, mlp.gate_up_proj.out_features)):
+        if not (attn.qk_norm and not attn.softcap and plannable(attn, mlp)):
             return None
         return layer_plan(
-            linears,
-            hidden=attn.o_proj.out_features,
-            heads=attn.num_heads,
-            kv_heads=attn.num_kv_heads,
-            head_dim=attn.head_dim,
-            ffn=mlp.gate_up_proj.out_features // 2,
+            attn,
+            mlp,
             eps=attn.eps,
-            scale=attn.scale,
-            softcap=0.0,
             input_norm=self.input_layernorm.factor.data_ptr(),
             post_attention_norm=self.post_attention_layernorm.factor.data_ptr(),
             pre_feedforward_norm=self.pre_feedforward_layernorm.factor.data_ptr(),

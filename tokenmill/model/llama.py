@@ -90,21 +90,14 @@ class LlamaDecoderLayer(CLayer, nn.Module):
 
     def _build_plan(self) -> ops.DecoderLayerPlan | None:
         attn, mlp = self.self_attn, self.mlp
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         extras = (attn.q_norm, attn.o_proj_bias, mlp.gate_up_proj_bias, mlp.down_proj_bias)
-        if any(e is not None for e in extras) or not plannable(linears, attn.head_dim, mlp.gate_up_proj.out_features):
+        if any(e is not None for e in extras) or not plannable(attn, mlp):
             return None
         bias = attn.qkv_proj_bias
         return layer_plan(
-            linears,
-            hidden=attn.o_proj.out_features,
-            heads=attn.num_heads,
-            kv_heads=attn.num_kv_heads,
-            head_dim=attn.head_dim,
-            ffn=mlp.gate_up_proj.out_features // 2,
+            attn,
+            mlp,
             eps=self.input_layernorm.eps,
-            scale=attn.scale,
-            softcap=0.0,
             input_norm=self.input_layernorm.factor.data_ptr(),
             post_attention_norm=self.post_attention_layernorm.factor.data_ptr(),
             qkv_bias=None if bias is None else self._bf16_bias(bias),
