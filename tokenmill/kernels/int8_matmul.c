@@ -158,11 +158,6 @@ static void store_row(const float *sums, const float *scale, float row_scale, in
  * bits as the AVX-512 path (a test compares the two builds). */
 #define ROWS 6 /* rows per register tile: 12 accumulators + 2 weights + 1 + 1 */
 
-static inline __m256 load_bf16_8(const uint16_t *p) {
-    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-
 static void quantize_row(const uint16_t *row, int64_t k, int16_t *q, float *scale) {
     const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
     __m256 top = _mm256_setzero_ps();

@@ -95,18 +95,10 @@ static inline void v16_store_first(float *p, int64_t n, v16 v) {
     v16_store(lanes, v);
     for (int l = 0; l < n; l++) p[l] = lanes[l];
 }
-/* 8 bf16 -> float32 (exact: bf16 is float32's upper half) */
-static inline __m256 load_bf16_8(const uint16_t *p) {
-    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
 static inline v16 v16_load_bf16(const uint16_t *p) { return V16(load_bf16_8(p), load_bf16_8(p + 8)); }
 static inline void v16_store_bf16(uint16_t *p, v16 v) {
     _mm_storeu_si128((__m128i *)p, to_bf16_8(v.lo));
     _mm_storeu_si128((__m128i *)(p + 8), to_bf16_8(v.hi));
-}
-static inline __m256 round_bf16_8(__m256 v) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(to_bf16_8(v)), 16));
 }
 static inline v16 v16_round_bf16(v16 v) { return V16(round_bf16_8(v.lo), round_bf16_8(v.hi)); }
 static inline v16 v16_add(v16 a, v16 b) { return V16(_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)); }
@@ -139,24 +131,6 @@ static inline float v16_reduce_max(v16 v) {
     __m128 four = _mm_max_ps(_mm256_extractf128_ps(eight, 1), _mm256_castps256_ps128(eight));
     __m128 two = _mm_max_ps(four, _mm_shuffle_ps(four, four, _MM_SHUFFLE(1, 0, 3, 2)));
     return _mm_cvtss_f32(_mm_max_ss(two, _mm_shuffle_ps(two, two, _MM_SHUFFLE(0, 0, 0, 1))));
-}
-/* avx512_common.h's exp_nonpositive on 8 lanes: the same polynomial, then p * 2^n with 2^n built from n's bits (n
- * is at least -126 wherever x >= -87, so 2^n is a normal float and the product is rounded once, as scalef's is) */
-static inline __m256 exp_nonpositive_8(__m256 x) {
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
-    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.0f));
-    __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
-    return _mm256_blendv_ps(e, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ));
 }
 static inline v16 v16_exp_nonpositive(v16 x) { return V16(exp_nonpositive_8(x.lo), exp_nonpositive_8(x.hi)); }
 
