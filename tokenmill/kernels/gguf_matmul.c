@@ -193,7 +193,7 @@ static int64_t row_bytes_of(int type, int64_t k) {
  *   Q6_K: 16 fp16 d, 8 x 16 scales of elements 0-15 (i8), 8 x 16 of elements 16-31, the 8 sub-blocks' codes;
  * and a block's codes:
  *   4-bit part (all but Q8_0): 4 x 64 bytes, vector p in the low nibbles and vector p + 4 in the high ones;
- *   Q5_0 / Q5_K: then 8 x uint64, bit i of word g the fifth bit (16) of vector g's byte i;
+ *   Q5_0 / Q5_K: then 64 bytes, bit g of byte i the fifth bit (16) of vector g's byte i;
  *   Q6_K: then 2 x 64 bytes, byte i of plane h holding bits 4 and 5 of vectors 4h..4h+3 (2 bits each, in order);
  *   Q8_0: 8 x 64 bytes, the signed codes.
  * Column for column this is as many bytes as the file (the K-quants' 6-bit scales, 12 bytes per 256 weights,
@@ -283,11 +283,13 @@ static void repack_codes(int type, const uint8_t *const cols[GROUP], int j, uint
             _mm256_storeu_si256((__m256i *)(out + 64 * p + i), _mm256_or_si256(a, _mm256_slli_epi16(b, 4)));
         }
     if (type == Q5_0 || type == Q5_K)
-        for (int g = 0; g < 8; g++) { /* bit 4 of each byte, moved to bit 7 and collected */
-            uint64_t lo = (uint32_t)_mm256_movemask_epi8(_mm256_slli_epi16(load32(&vec[g][0]), 3));
-            uint64_t hi = (uint32_t)_mm256_movemask_epi8(_mm256_slli_epi16(load32(&vec[g][32]), 3));
-            uint64_t bits = lo | hi << 32;
-            memcpy(out + 256 + 8 * g, &bits, 8);
+        for (int i = 0; i < 64; i += 32) { /* bit 4 of vector g's bytes as bit g of the plane's */
+            __m256i b = _mm256_setzero_si256();
+            for (int g = 0; g < 8; g++) {
+                __m256i fifth = _mm256_and_si256(_mm256_srli_epi16(load32(&vec[g][i]), 4), _mm256_set1_epi8(1));
+                b = _mm256_or_si256(b, _mm256_slli_epi16(fifth, g));
+            }
+            _mm256_storeu_si256((__m256i *)(out + 256 + i), b);
         }
     if (type == Q6_K)
         for (int h = 0; h < 2; h++)
@@ -367,15 +369,12 @@ static inline ivec iv_load(const uint8_t *p) { return _mm512_loadu_si512(p); }
 static inline ivec iv_zero(void) { return _mm512_setzero_si512(); }
 static inline ivec iv_low4(ivec v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0f)); }
 static inline ivec iv_high4(ivec v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f)); }
-/* u (4-bit codes) with 16 added where p's bit is set: the mask loaded straight from memory, one masked add */
-static inline ivec iv_with_fifth_bits(ivec u, const uint8_t *p) {
-    return _mm512_mask_add_epi8(u, _load_mask64((__mmask64 *)p), u, _mm512_set1_epi8(0x10));
-}
-/* u (4-bit codes) with bits 2q, 2q+1 of each byte of h as bits 4-5: h shifted in 16-bit lanes (a neighbour byte's
- * bits only land outside bits 4-5) and merged in one ternary op, (h' & 0x30) | u */
-static inline ivec iv_with_bits2(ivec u, ivec h, int q) {
-    ivec t = q == 0 ? _mm512_slli_epi16(h, 4) : q == 1 ? _mm512_slli_epi16(h, 2) : q == 2 ? h : _mm512_srli_epi16(h, 2);
-    return _mm512_ternarylogic_epi32(t, u, _mm512_set1_epi8(0x30), 0xEC);
+/* u (4-bit codes) with the bits of h's bytes from bit `at` up, under `mask` once moved to bit 4 (Q5's fifth bit:
+ * one bit, mask 0x10; Q6_K's two): h shifted in 16-bit lanes (a neighbour byte's bits only land outside the mask)
+ * and merged in one ternary op, (h' & mask) | u */
+static inline ivec iv_with_high_bits(ivec u, ivec h, int at, char mask) {
+    ivec t = at < 4 ? _mm512_slli_epi16(h, 4 - at) : at > 4 ? _mm512_srli_epi16(h, at - 4) : h;
+    return _mm512_ternarylogic_epi32(t, u, _mm512_set1_epi8(mask), 0xEC);
 }
 /* Q8_0's signed codes made unsigned (+128; subtracted back through the activation sums) */
 static inline ivec iv_signed_codes(ivec v) { return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80)); }
@@ -422,16 +421,6 @@ static inline __m256i dot_unsigned(__m256i u, __m256i x) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
 }
 
-/* 32 bits -> 32 bytes: byte i is `value` where bit i is set, else 0 */
-static inline __m256i bits_to_bytes(uint32_t bits, char value) {
-    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
-                                            3, 3, 3, 3, 3, 3, 3);
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
-    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), spread);
-    __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
-    return _mm256_and_si256(set, _mm256_set1_epi8(value));
-}
-
 typedef struct {
     __m256i a, b;
 } ivec;
@@ -445,17 +434,14 @@ static inline ivec iv_zero(void) { return IV2(_mm256_setzero_si256(), _mm256_set
 static inline __m256i low4(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
 static inline ivec iv_low4(ivec v) { return IV2(low4(v.a), low4(v.b)); }
 static inline ivec iv_high4(ivec v) { return IV2(low4(_mm256_srli_epi16(v.a, 4)), low4(_mm256_srli_epi16(v.b, 4))); }
-static inline __m256i bits2(__m256i v, int shift) {
-    return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(v, shift), _mm256_set1_epi8(3)), 4);
+/* as on AVX-512: h's bits from bit `at` moved to bit 4 in 16-bit lanes, (h' & mask) | u */
+static inline __m256i with_high_bits(__m256i u, __m256i h, int at, char mask) {
+    __m256i t = at < 4 ? _mm256_slli_epi16(h, 4 - at) : at > 4 ? _mm256_srli_epi16(h, at - 4) : h;
+    return _mm256_or_si256(u, _mm256_and_si256(t, _mm256_set1_epi8(mask)));
 }
-static inline ivec iv_or(ivec x, ivec y) { return IV2(_mm256_or_si256(x.a, y.a), _mm256_or_si256(x.b, y.b)); }
-static inline ivec iv_with_fifth_bits(ivec u, const uint8_t *p) {
-    uint32_t lo, hi;
-    memcpy(&lo, p, 4);
-    memcpy(&hi, p + 4, 4);
-    return iv_or(u, IV2(bits_to_bytes(lo, 0x10), bits_to_bytes(hi, 0x10)));
+static inline ivec iv_with_high_bits(ivec u, ivec h, int at, char mask) {
+    return IV2(with_high_bits(u.a, h.a, at, mask), with_high_bits(u.b, h.b, at, mask));
 }
-static inline ivec iv_with_bits2(ivec u, ivec h, int q) { return iv_or(u, IV2(bits2(h.a, 2 * q), bits2(h.b, 2 * q))); }
 static inline ivec iv_signed_codes(ivec v) { return v; }
 static inline ivec iv_dot(ivec acc, ivec u, int32_t x4) {
     __m256i x = _mm256_set1_epi32(x4);
@@ -530,8 +516,8 @@ ALWAYS_INLINE ivec packed_vector(int type, const uint8_t *codes, int g) {
     if (type == Q8_0) return iv_signed_codes(iv_load(codes + 64 * g));
     ivec v = iv_load(codes + 64 * (g % 4));
     ivec u = g < 4 ? iv_low4(v) : iv_high4(v);
-    if (type == Q5_0 || type == Q5_K) u = iv_with_fifth_bits(u, codes + 256 + 8 * g);
-    if (type == Q6_K) u = iv_with_bits2(u, iv_load(codes + 256 + 64 * (g / 4)), g % 4);
+    if (type == Q5_0 || type == Q5_K) u = iv_with_high_bits(u, iv_load(codes + 256), g, 0x10);
+    if (type == Q6_K) u = iv_with_high_bits(u, iv_load(codes + 256 + 64 * (g / 4)), 2 * (g % 4), 0x30);
     return u;
 }
 
