@@ -112,10 +112,9 @@ def gguf_path() -> Path:
 @pytest.mark.e2e
 def test_gemma_merges_from_split_pairs_equal_slicing_on_the_real_vocabulary(gguf_path: Path) -> None:
     from tokenmill.model.loading.gguf_file import read_gguf_file
-    from tokenmill.tokenizer.gguf import SPACE
+    from tokenmill.tokenizer.gguf import gemma_pieces
 
-    tokens = read_gguf_file(str(gguf_path))[0]["tokenizer.ggml.tokens"]
-    respelled = [SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]  # as _gemma does
+    respelled = gemma_pieces(read_gguf_file(str(gguf_path))[0]["tokenizer.ggml.tokens"])
     vocab = {t: i for i, t in enumerate(respelled)}
     assert split_pairs(respelled, len(vocab)) is not None  # no two of its strings share a hash
     assert _merges_in_file_order(respelled, vocab) == _merges_by_slicing(respelled, vocab)

@@ -71,9 +71,14 @@ def _special_tokens(meta: Mapping[str, Any], tokens: list[str], kind: str) -> Sp
 
 
 # --- the three vocabularies -----------------------------------------------------------------------------------------
+def gemma_pieces(tokens: list[str]) -> list[str]:
+    """Gemma's vocabulary as its model pieces spell it: a run of real spaces becomes a run of ▁."""
+    return [SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+
+
 def _gemma(tokens: list[str]) -> tuple[HFTokenizer, dict[str, int]]:
     """Gemma stores runs of spaces as real spaces; the model pieces spell them ▁. Merges follow the file's order."""
-    respelled = [SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+    respelled = gemma_pieces(tokens)
     vocab = {t: i for i, t in enumerate(respelled)}
     tok = _sentencepiece_bpe(vocab, _merges_in_file_order(respelled, vocab), "<unk>" if "<unk>" in vocab else None)
     tok.normalizer = normalizers.Replace(" ", SPACE)

@@ -68,10 +68,7 @@ class _Cursor:
         return value
 
     def string(self) -> str:
-        n = self.scalar("<Q")
-        raw = bytes(self.buf[self.pos : self.pos + n])
-        self.pos += n
-        return raw.decode("utf-8", errors="replace")
+        return self.strings(1)[0]
 
     def strings(self, count: int) -> list[str]:
         """`count` strings in a row (a vocabulary: 262,144 of them), each decoded straight from the mapping."""
