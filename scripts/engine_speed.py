@@ -1,21 +1,25 @@
 """In-process decode speed of the engine (no HTTP): greedy, EOS banned, a batch of prompts decoded together.
 
 python scripts/engine_speed.py --dtype bfloat16 --batch 1 16 --tokens 64
+python scripts/engine_speed.py --batch 16 --bench-prompts --busy 0.3 1.5   # beside a process busy 0.3 ms in 1.8
 
 Besides the aggregate it prints where a step goes, as medians over the decode steps: the model's layers (the
 runner's forward), the LM head (the runner's logits) and the rest (sampling, bookkeeping), and the first step's time
 (the batch's prefill). `--bench-prompts` takes the prompts `tokenmill bench` sends, one per row, in place of one
-repeated prompt.
+repeated prompt. `--busy ON OFF` measures beside a process that spins ON ms then sleeps OFF ms (bench/busy.py), as
+the server's event loop or a client on the same cores takes a core for a while.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
+from tokenmill.bench.busy import busy_process
 from tokenmill.bench.load import PROMPTS
 from tokenmill.config import Config
 from tokenmill.engine.core import EngineCore
@@ -33,6 +37,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--bench-prompts", action="store_true", help="the bench's prompts, one per row")
     parser.add_argument("--no-amx", action="store_true", help="gguf_matmul without its AMX path (the same bits)")
+    parser.add_argument("--busy", type=float, nargs=2, metavar=("ON_MS", "OFF_MS"), help="a busy process beside")
     args = parser.parse_args()
     if args.no_amx:
         ops.gguf_amx(False)
@@ -44,8 +49,9 @@ def main() -> None:
     prompts = [tok.encode(text) for text in texts]
     ban_eos = {i: -100.0 for i in tok.eos_ids}
     phases = Phases(core)
-    for batch in args.batch:
-        print(engine.run_in_engine_thread(lambda b=batch: measure(core, phases, prompts, b, args.tokens, ban_eos)))
+    with busy_process(*args.busy) if args.busy else contextlib.nullcontext():
+        for batch in args.batch:
+            print(engine.run_in_engine_thread(lambda b=batch: measure(core, phases, prompts, b, args.tokens, ban_eos)))
 
 
 class Phases:

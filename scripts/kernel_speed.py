@@ -1,20 +1,26 @@
 """gguf_matmul's speed on a GGUF file's own tensors, with and without its AMX path, in interleaved rounds.
 
 python scripts/kernel_speed.py --rows 16 64 [--model FILE] [--tensor token_embd.weight --columns 65536]
+python scripts/kernel_speed.py --rows 16 --busy 0.4 2    # beside a process busy 0.4 ms in every 2.4 ms
 
 For each tensor and row count it prints the best of the rounds in G multiply-adds/s, VNNI (AMX off) then AMX, and
 checks that both gave the same bits. `--columns` keeps the first N output columns of each tensor: a few thousand
-stay in the caches (the kernel's compute), the whole head streams from memory.
+stay in the caches (the kernel's compute), the whole head streams from memory. `--busy ON OFF` runs a second process
+that spins ON ms then sleeps OFF ms, as a server's event loop or a client on the same cores takes a core for a while;
+the figures are then the median call's, as the best round would be the one it happened to miss.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import statistics
 import time
 
 import gguf
 import torch
 
+from tokenmill.bench.busy import busy_process
 from tokenmill.kernels import ops
 from tokenmill.model.loading.loader import cache_root, packaged_gguf
 
@@ -28,7 +34,13 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 147])
     parser.add_argument("--columns", type=int, default=4096, help="the first N output columns of each tensor")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--busy", type=float, nargs=2, metavar=("ON_MS", "OFF_MS"), help="a busy process beside")
     args = parser.parse_args()
+    with busy_process(*args.busy) if args.busy else contextlib.nullcontext():
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     if not ops.gguf_matmul_available():
         raise SystemExit("gguf_matmul is not built here")
     amx = ops.gguf_amx()
@@ -41,7 +53,7 @@ def main() -> None:
         n, k, kind = raw.shape[0], int(t.shape[0]), int(t.tensor_type)
         packed = ops.gguf_repack(raw, kind, k)
         for m in args.rows:
-            rates, outs = measure(packed, kind, n, k, m, args.rounds, amx)
+            rates, outs = measure(packed, kind, n, k, m, args.rounds, amx, median=args.busy is not None)
             same = torch.equal(outs[0], outs[1])
             print(
                 f"{name:26s} {t.tensor_type.name:5s} n={n:6d} k={k:5d} rows={m:4d}: "
@@ -52,12 +64,14 @@ def main() -> None:
 
 
 def measure(
-    packed: torch.Tensor, kind: int, n: int, k: int, m: int, rounds: int, amx: bool
+    packed: torch.Tensor, kind: int, n: int, k: int, m: int, rounds: int, amx: bool, median: bool = False
 ) -> tuple[list[float], list[torch.Tensor]]:
-    """Best rate of each path over interleaved rounds, each round ~0.1 G multiply-adds (at least 3 calls)."""
+    """Rate of each path over interleaved rounds, each round ~0.1 G multiply-adds (at least 3 calls): the best
+    round's mean call, or with `median` the median call of all rounds."""
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     outs = [torch.empty(m, n), torch.empty(m, n)]
     calls = max(3, int(1e8 / (m * n * k)))
+    times: list[list[float]] = [[], []]
     best = [float("inf"), float("inf")]
     for _ in range(rounds):
         for i, on in enumerate((False, amx)):
@@ -66,8 +80,12 @@ def measure(
             start = time.perf_counter()
             for _ in range(calls):
                 ops.gguf_matmul(x, kind, packed, n, outs[i])
-            best[i] = min(best[i], (time.perf_counter() - start) / calls)
-    return [m * n * k / s / 1e9 for s in best], outs
+                times[i].append(time.perf_counter())
+            best[i] = min(best[i], (times[i][-1] - start) / calls)
+            ends = times[i][-calls:]
+            times[i][-calls:] = [b - a for a, b in zip([start, *ends[:-1]], ends)]  # each call's own time
+    seconds = [statistics.median(t) for t in times] if median else best
+    return [m * n * k / s / 1e9 for s in seconds], outs
 
 
 if __name__ == "__main__":

@@ -62,6 +62,29 @@ def test_a_rows_result_does_not_depend_on_the_batch(t: T) -> None:
         assert torch.equal(kernel(x[:rows], raw, t, k).nan_to_num(), full[:rows].nan_to_num())
 
 
+@pytest.mark.parametrize("t", [T.Q8_0, T.Q5_0, T.Q6_K], ids=lambda t: t.name)
+def test_every_column_is_computed_once_whatever_the_thread_count(t: T) -> None:
+    """The threads claim groups of 16 columns from even shares and take over what is left of each other's: with more
+    threads than cores (so some wait while others take their share) or than groups (empty shares), every column is
+    written, with the bits one thread gives."""
+    raw, k = weights(t, n=16 * 23 + 5)
+    x = activations(17, k).to(torch.bfloat16)
+    packed, n = ops.gguf_repack(raw, int(t), k), raw.shape[0]
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for count in (1, 2, 3, 8, 40):
+            torch.set_num_threads(count)
+            out = torch.full((17, n), float("nan"))
+            ops.gguf_matmul(x, int(t), packed, n, out)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    assert not outs[0].isnan().any()
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+
+
 def test_bf16_output_is_the_float32_output_rounded() -> None:
     raw, k = weights(T.Q5_0)
     x = activations(3, k).to(torch.bfloat16)

@@ -17,8 +17,11 @@
  * AMX (further down): on CPUs that have it, whole tiles of 16 rows of every type but Q6_K take their exact block sums
  * from tile products instead, with the same float step: the same bits.
  *
- * Threads: OpenMP over the column groups (each thread streams its own part of W), which resolves to torch's own
- * libgomp when torch is loaded first.
+ * Threads: OpenMP over the column groups, which resolves to torch's own libgomp when torch is loaded first. Each
+ * thread streams its own even share of W, claimed a few groups at a time; a thread done with its share claims what is
+ * left of the others', so a core the OS lent to another thread for a while (the server's event loop, a client on the
+ * same machine, a neighbour on a shared host) delays the call by its share of the work, not by the whole wait. Which
+ * thread computes a group never changes its bits.
  */
 #include <math.h>
 #include <stdint.h>
@@ -207,6 +210,15 @@ static int64_t row_bytes_of(int type, int64_t k) {
  * with more decoding per byte than Q8_0 streamed at a fifth less (the README has the figures; 4 to 32 KiB alike) */
 #define PREFETCH_AHEAD 8192
 #define ROW_CHUNK 64 /* rows per pass over a group's weights: their accumulators stay in L1 */
+#define CLAIM_GROUPS 4 /* groups a thread claims at a time: few enough to even out the end, many enough to keep each
+                          * claim's atomic add rare and its stream long */
+
+/* Where the unclaimed part of one thread's share of the groups starts; a cache line each, so the owner's claims do not
+ * contend with its neighbours' */
+typedef struct {
+    int64_t next;
+    char pad[56];
+} group_claims;
 
 static inline int is_k(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
 
@@ -847,6 +859,45 @@ int gguf_amx(int enable) {
 }
 #endif
 
+/* Group g's 16 columns of out for all M rows (block b of row r at x + b * m + r): ROW_CHUNK rows a pass, whole
+ * tiles of 16 on AMX where it is on (`decoded`: this thread's scratch for the group's decoded codes) */
+static void group_product(int type, const uint8_t *w, const xblock *x, int64_t nb, int64_t m, int64_t n, int64_t g,
+                          void *out, int64_t ldo, int float_out, uint8_t *decoded, int amx) {
+    size_t elem = float_out ? sizeof(float) : sizeof(uint16_t);
+    fvec res[ROW_CHUNK];
+    int64_t c0 = GROUP * g, cols = n - c0 < GROUP ? n - c0 : GROUP;
+    for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK) {
+        int64_t rows = m - r0 < ROW_CHUNK ? m - r0 : ROW_CHUNK;
+#if defined(WITH_AMX)
+        int64_t tiled = 0; /* rows done on AMX: whole tiles of 16 */
+        if (amx) {
+            for (; tiled + TILE_ROWS <= rows; tiled += TILE_ROWS) /* the first tile decodes the group's codes */
+                any_amx_group(type, w, decoded, decoded && r0 + tiled == 0, x + r0 + tiled, nb, m, res + tiled);
+        }
+#else
+        const int64_t tiled = 0;
+        (void)decoded, (void)amx;
+#endif
+        if (tiled < rows)
+            any_packed_group(type, w, x + r0 + tiled, nb, m, rows - tiled, res + tiled);
+        for (int64_t r = 0; r < rows; r++) {
+            char *at = (char *)out + ((r0 + r) * ldo + c0) * elem;
+            if (cols == GROUP) {
+                fv_store_out(at, res[r], float_out);
+                continue;
+            }
+            float lanes[GROUP]; /* the last, partial group */
+            fv_store(lanes, res[r]);
+            for (int64_t c = 0; c < cols; c++) {
+                if (float_out)
+                    ((float *)at)[c] = lanes[c];
+                else
+                    ((uint16_t *)at)[c] = float_to_bf16(lanes[c]);
+            }
+        }
+    }
+}
+
 /* x: M rows of K bf16 inputs, x_stride apart; w: N columns repacked by gguf_repack; out: (M, ldo) bf16, or float32
  * if float_out, its columns [0, N) written. The rows are quantised first (as gguf_quantize_rows does), into a
  * scratch of M * K / 32 blocks, block-major (each block's rows side by side, as a group's pass reads them). Returns
@@ -864,64 +915,43 @@ int gguf_matmul(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, in
     uint8_t *decoding = NULL;
 #endif
     xblock *x = malloc((size_t)(m * nb) * sizeof *x + 64);
-    if (x == NULL) {
+    group_claims *claims = aligned_alloc(64, (size_t)threads * sizeof *claims);
+    if (x == NULL || claims == NULL) {
+        free(x);
+        free(claims);
         free(decoding);
         return -2;
     }
+    for (int64_t t = 0; t < threads; t++) claims[t].next = groups * t / threads; /* the even shares */
     int64_t group_bytes = nb / (is_k(type) ? 8 : 1) * packed_unit_bytes(type);
-    size_t elem = float_out ? sizeof(float) : sizeof(uint16_t);
 #pragma omp parallel num_threads(threads)
     {
-    /* the groups split evenly, as a static schedule would; each thread asks for its first window of weights while
-     * the rows are quantised */
-    int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
-    int64_t first = groups * thread / team, last = groups * (thread + 1) / team;
+    /* each thread asks for its share's first window of weights while the rows are quantised */
+    int64_t thread = omp_get_thread_num();
+    int64_t first = groups * thread / threads, last = groups * (thread + 1) / threads;
     for (int64_t at = 0; first < last && at < PREFETCH_AHEAD; at += 64)
         _mm_prefetch((const char *)w + first * group_bytes + at, _MM_HINT_T1);
     quantize_rows(x_in, x_stride, m, k, x, (block_layout){1, code_offset(type), type == Q4_K || type == Q5_K});
 #if defined(WITH_AMX)
     uint8_t *decoded = decoding ? decoding + thread * nb * 512 : NULL;
     if (amx) amx_configure();
-#endif
-    for (int64_t g = first; g < last; g++) {
-        fvec res[ROW_CHUNK];
-        int64_t c0 = GROUP * g, cols = n - c0 < GROUP ? n - c0 : GROUP;
-        for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK) {
-            int64_t rows = m - r0 < ROW_CHUNK ? m - r0 : ROW_CHUNK;
-#if defined(WITH_AMX)
-            int64_t tiled = 0; /* rows done on AMX: whole tiles of 16 */
-            if (amx) {
-                for (; tiled + TILE_ROWS <= rows; tiled += TILE_ROWS) /* the first tile decodes the group's codes */
-                    any_amx_group(type, w + g * group_bytes, decoded, decoded && r0 + tiled == 0, x + r0 + tiled, nb, m,
-                                  res + tiled);
-            }
 #else
-            const int64_t tiled = 0;
+    uint8_t *decoded = NULL;
+    const int amx = 0;
 #endif
-            if (tiled < rows)
-                any_packed_group(type, w + g * group_bytes, x + r0 + tiled, nb, m, rows - tiled, res + tiled);
-            for (int64_t r = 0; r < rows; r++) {
-                char *at = (char *)out + ((r0 + r) * ldo + c0) * elem;
-                if (cols == GROUP) {
-                    fv_store_out(at, res[r], float_out);
-                    continue;
-                }
-                float lanes[GROUP]; /* the last, partial group */
-                fv_store(lanes, res[r]);
-                for (int64_t c = 0; c < cols; c++) {
-                    if (float_out)
-                        ((float *)at)[c] = lanes[c];
-                    else
-                        ((uint16_t *)at)[c] = float_to_bf16(lanes[c]);
-                }
-            }
-        }
+    /* its own share first, then what is left of the others' (a team smaller than asked for leaves whole shares) */
+    for (int64_t v = 0; v < threads; v++) {
+        int64_t owner = (thread + v) % threads, end = groups * (owner + 1) / threads, claim;
+        while ((claim = __atomic_fetch_add(&claims[owner].next, CLAIM_GROUPS, __ATOMIC_RELAXED)) < end)
+            for (int64_t g = claim; g < claim + CLAIM_GROUPS && g < end; g++)
+                group_product(type, w + g * group_bytes, x, nb, m, n, g, out, ldo, float_out, decoded, amx);
     }
 #if defined(WITH_AMX)
     if (amx) _tile_release();
 #endif
     }
     free(x);
+    free(claims);
     free(decoding);
     return 0;
 }
