@@ -905,6 +905,7 @@ static void group_product(int type, const uint8_t *w, const xblock *x, int64_t n
 int gguf_matmul(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, int type, const uint8_t *w, int64_t n,
                 void *out, int64_t ldo, int float_out, int threads) {
     if (gguf_packed_bytes(type, n, k) < 0) return -1;
+    if (threads < 1) threads = 1;
     int64_t nb = k / 32, groups = (n + GROUP - 1) / GROUP;
 #if defined(WITH_AMX)
     const int amx = m >= TILE_ROWS && amx_takes(type) && amx_ready();
