@@ -77,13 +77,13 @@ def measure(
         for i, on in enumerate((False, amx)):
             ops.gguf_amx(on)
             ops.gguf_matmul(x, kind, packed, n, outs[i])
-            start = time.perf_counter()
+            start = last = time.perf_counter()
             for _ in range(calls):
                 ops.gguf_matmul(x, kind, packed, n, outs[i])
-                times[i].append(time.perf_counter())
-            best[i] = min(best[i], (times[i][-1] - start) / calls)
-            ends = times[i][-calls:]
-            times[i][-calls:] = [b - a for a, b in zip([start, *ends[:-1]], ends)]  # each call's own time
+                now = time.perf_counter()
+                times[i].append(now - last)  # each call's own time
+                last = now
+            best[i] = min(best[i], (last - start) / calls)
     seconds = [statistics.median(t) for t in times] if median else best
     return [m * n * k / s / 1e9 for s in seconds], outs
 

@@ -220,6 +220,9 @@ typedef struct {
     char pad[56];
 } group_claims;
 
+/* Where thread t's even share of `groups` starts (share t ends where share t + 1 starts) */
+static inline int64_t share_start(int64_t groups, int64_t t, int64_t threads) { return groups * t / threads; }
+
 static inline int is_k(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
 
 /* bytes of one group's block (or super-block) */
@@ -923,13 +926,13 @@ int gguf_matmul(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, in
         free(decoding);
         return -2;
     }
-    for (int64_t t = 0; t < threads; t++) claims[t].next = groups * t / threads; /* the even shares */
+    for (int64_t t = 0; t < threads; t++) claims[t].next = share_start(groups, t, threads);
     int64_t group_bytes = nb / (is_k(type) ? 8 : 1) * packed_unit_bytes(type);
 #pragma omp parallel num_threads(threads)
     {
     /* each thread asks for its share's first window of weights while the rows are quantised */
     int64_t thread = omp_get_thread_num();
-    int64_t first = groups * thread / threads, last = groups * (thread + 1) / threads;
+    int64_t first = share_start(groups, thread, threads), last = share_start(groups, thread + 1, threads);
     for (int64_t at = 0; first < last && at < PREFETCH_AHEAD; at += 64)
         _mm_prefetch((const char *)w + first * group_bytes + at, _MM_HINT_T1);
     quantize_rows(x_in, x_stride, m, k, x, (block_layout){1, code_offset(type), type == Q4_K || type == Q5_K});
@@ -942,7 +945,7 @@ int gguf_matmul(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, in
 #endif
     /* its own share first, then what is left of the others' (a team smaller than asked for leaves whole shares) */
     for (int64_t v = 0; v < threads; v++) {
-        int64_t owner = (thread + v) % threads, end = groups * (owner + 1) / threads, claim;
+        int64_t owner = (thread + v) % threads, end = share_start(groups, owner + 1, threads), claim;
         while ((claim = __atomic_fetch_add(&claims[owner].next, CLAIM_GROUPS, __ATOMIC_RELAXED)) < end)
             for (int64_t g = claim; g < claim + CLAIM_GROUPS && g < end; g++)
                 group_product(type, w + g * group_bytes, x, nb, m, n, g, out, ldo, float_out, decoded, amx);
