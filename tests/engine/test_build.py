@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import gc
 import weakref
+from pathlib import Path
 
+import pytest
+
+from tests import tiny_model
 from tests.engine.tiny import tiny_core
 from tokenmill.config import Config
-from tokenmill.engine.build import describe, freeze_loaded_objects, kernels_in_use
+from tokenmill.engine.build import ModelLoadError, describe, freeze_loaded_objects, kernels_in_use, load_engine_core
 from tokenmill.kernels import ops
 
 BF16_ONLY = {"fused", "paged_attention", "gelu_mul", "int8_matmul", "gguf_matmul", "gguf_amx"}
@@ -59,3 +63,14 @@ def test_freezing_after_loading_keeps_live_objects_out_of_collections_and_collec
         assert not any(obj is alive for obj in gc.get_objects())  # in no generation a collection walks
     finally:
         gc.unfreeze()
+
+
+def test_a_gguf_vocabulary_no_builder_takes_fails_the_load_with_its_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tokenizer is built on a thread while the weights are regrouped; its error still fails the load as one."""
+    meta = tiny_model.tiny_gguf_metadata()
+    monkeypatch.setattr(tiny_model, "tiny_gguf_metadata", lambda: {**meta, "tokenizer.ggml.model": "bert"})
+    path = tiny_model.write_tiny_gguf(tmp_path / "bert.gguf", quantize=True)
+    with pytest.raises(ModelLoadError, match="unsupported GGUF tokenizer model 'bert'"):
+        load_engine_core(Config(model=str(path), cache_dir=str(tmp_path / "cache")))

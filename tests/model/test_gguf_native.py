@@ -8,11 +8,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from tests.model.gguf_blocks import IDS, MIXED, native_model, weights
+from tests.model.gguf_blocks import IDS, MIXED, activations, native_model, weights
 from tests.tiny_model import write_tiny_gguf
 from tokenmill.kernels import ops
 from tokenmill.model.causal_lm import CausalLM
-from tokenmill.model.gguf_linear import GgufEmbedding, GgufLinear, GgufWeight
+from tokenmill.model.gguf_linear import GgufEmbedding, GgufLinear, GgufWeight, Regrouping
 from tokenmill.model.gguf_quant import gguf_matmul
 from tokenmill.model.loading.loader import load_model_files
 from tokenmill.model.registry import build_model
@@ -70,3 +70,34 @@ def test_a_float32_input_is_multiplied_as_its_bfloat16_rounding() -> None:
     x = torch.randn(3, k)
     assert torch.equal(layer(x), layer(x.to(torch.bfloat16), out_dtype=torch.float32))
     assert torch.allclose(layer(x), gguf_matmul(x.to(torch.bfloat16), raw, int(T.Q5_0), k), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not ops.gguf_matmul_available(), reason="the GGUF kernel is not built here")
+@pytest.mark.parametrize(("first_rows", "calls"), [(32, 1), (24, 2)])
+def test_parts_of_one_type_are_computed_as_one_only_where_the_first_fills_whole_groups(
+    first_rows: int, calls: int
+) -> None:
+    """q and k of one type become one kernel call when q's rows fill whole 16-column groups (k's groups then follow
+    q's in the regrouped layout); otherwise each keeps its own. Either way each column is what it is alone."""
+    (q, k), (kk, _) = weights(T.Q8_0, n=first_rows), weights(T.Q8_0, n=16, seed=3)
+    layer = GgufLinear([GgufWeight(int(T.Q8_0), q, k), GgufWeight(int(T.Q8_0), kk, k)])
+    assert len(layer.kernel_parts()) == calls
+    x = activations(3, k).to(torch.bfloat16)
+    alone = [GgufLinear([GgufWeight(int(T.Q8_0), w, k)])(x) for w in (q, kk)]
+    assert torch.equal(layer(x), torch.cat(alone, dim=1))
+
+
+@pytest.mark.skipif(not ops.gguf_matmul_available(), reason="the GGUF kernel is not built here")
+def test_layers_sharing_a_regrouping_are_written_when_it_runs() -> None:
+    regrouping = Regrouping()
+    parts = [weights(t, seed=i) for i, t in enumerate((T.Q5_0, T.Q4_K, T.Q6_K))]
+    layers = [
+        GgufLinear([GgufWeight(int(t), raw, k)], regrouping) for (raw, k), t in zip(parts, (T.Q5_0, T.Q4_K, T.Q6_K))
+    ]
+    for layer in layers:
+        for _, packed, _, _ in layer.kernel_parts():
+            packed.fill_(0)  # what an unwritten buffer could hold
+    regrouping.run()
+    for layer, (raw, k), t in zip(layers, parts, (T.Q5_0, T.Q4_K, T.Q6_K)):
+        x = activations(2, k).to(torch.bfloat16)
+        assert torch.equal(layer(x), GgufLinear([GgufWeight(int(t), raw, k)])(x))

@@ -56,12 +56,13 @@ def load_engine_core(config: Config) -> LoadedEngine:
     try:
         loaded = load_model_files(config.model_path, config.cache_dir, dtype, quantization)
         model = build_model(loaded.config, loaded.state_dict, prepared=loaded.prepared, quantized=loaded.quantized)
+        tokenizer = loaded.tokenizer  # a GGUF's was built on a thread meanwhile
     except (UnsupportedModelError, UnsupportedTokenizerError, GgufFormatError, FileNotFoundError) as exc:
         raise ModelLoadError(str(exc)) from exc
     loaded.state_dict, loaded.quantized = {}, {}  # the model holds what it uses; the rest can go
     if loaded.mapped is not None:  # the file's pages read to regroup blocks: the page cache keeps them, RSS need not
         unmap_file_pages(*loaded.mapped)
-    core = build_engine_core(model, loaded.tokenizer, config)
+    core = build_engine_core(model, tokenizer, config)
     if not loaded.prepared and loaded.cache_entry is not None and quantization not in ("none", "gguf"):
         save_prepared(model.state_dict(), loaded.cache_entry, dtype, quantization)
     release_freed_memory()

@@ -203,7 +203,7 @@ static int64_t row_bytes_of(int type, int64_t k) {
  * become 16 bytes). Columns past N are zeros. Every (column, row) pair sees the same float operations in the same
  * order on every path, for any number of rows: the same bits, and batch invariance. */
 
-#define GROUP 16     /* columns per group */
+#define GROUP GGUF_GROUP /* columns per group (16) */
 /* Bytes ahead of the sub-block in use that each thread asks the memory for, into L2 (prefetcht1), a line at a time as
  * it goes: the weights are one sequential stream per thread, and without the hint the rows' compute and the stream
  * alternate rather than overlap. Into L1 (prefetcht0) the requests hold the core's few L1 fill buffers, and the types
@@ -246,21 +246,32 @@ static inline int64_t code_bytes(int type) {
 
 /* --- repacking (plain C, once at load) --- */
 
+/* Q4_0's or Q5_0's 32 codes, unsigned with the type's offset: elements 0-15 from the low nibbles of qs, 16-31 from
+ * the high ones; Q5_0's fifth bits (bit e of the 32-bit qh for element e) as 16. Vectorised: the regrouping is part
+ * of every start, and Q5_0 is most of a Gemma 3 file's weights. */
+static inline __m256i q4_q5_codes(const uint8_t *qs, const uint8_t *qh) {
+    __m128i q = _mm_loadu_si128((const __m128i *)qs), low = _mm_set1_epi8(0x0f);
+    __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), low), _mm_and_si128(q, low));
+    if (qh == NULL) return codes;
+    uint32_t bits;
+    memcpy(&bits, qh, 4);
+    /* byte e of each 128-bit lane gets byte e / 8 of its lane's quarter of qh (elements 0-15: bytes 0-1, 16-31:
+     * 2-3), then is all ones where its bit e % 8 is set */
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
+                                            3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), spread), bit), bit);
+    return _mm256_or_si256(codes, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+}
+
 /* The 32 codes of sub-block j of a file block, unsigned with the type's offset (Q8_0: signed, as bytes). One switch
  * per sub-block, not per element: the regrouping is part of every start. */
 static void file_codes(int type, const uint8_t *blk, int j, uint8_t *codes) {
     switch (type) {
         case Q4_0:
-        case Q5_0: {
-            const uint8_t *qs = blk + (type == Q5_0 ? 6 : 2);
-            uint32_t qh = 0;
-            if (type == Q5_0) memcpy(&qh, blk + 2, 4);
-            for (int e = 0; e < 16; e++) {
-                codes[e] = (uint8_t)((qs[e] & 0x0f) | ((qh >> e) & 1) << 4);
-                codes[e + 16] = (uint8_t)((qs[e] >> 4) | ((qh >> (e + 16)) & 1) << 4);
-            }
+        case Q5_0:
+            _mm256_storeu_si256((__m256i *)codes, q4_q5_codes(blk + (type == Q5_0 ? 6 : 2), type == Q5_0 ? blk + 2 : NULL));
             return;
-        }
         case Q8_0: memcpy(codes, blk + 2, 32); return;
         case Q4_K:
         case Q5_K: {
@@ -362,7 +373,8 @@ int gguf_repack(int type, const uint8_t *w, int64_t n, int64_t k, uint8_t *out, 
     if (unit < 0 || row_bytes < 0) return -1;
     int64_t units = k / (is_k(type) ? 256 : 32);
     static const uint8_t zeros[256] = {0};
-#pragma omp parallel for schedule(static) num_threads(threads)
+    /* groups handed out a few at a time, not in even shares: at load a tokenizer may be built on one of the cores */
+#pragma omp parallel for schedule(dynamic, 4) num_threads(threads)
     for (int64_t grp = 0; grp < (n + GROUP - 1) / GROUP; grp++)
         for (int64_t u = 0; u < units; u++) {
             const uint8_t *cols[GROUP];
@@ -985,3 +997,13 @@ int gguf_matmul(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, int t
     return -1;
 }
 #endif
+
+/* gguf_repack for `count` tensors in one call: a loader holds no GIL from the first to the last, so a tokenizer built
+ * on another Python thread meanwhile (which holds the GIL through its long native calls) cannot stall it between
+ * tensors. Job i regroups ws[i] (ns[i] rows of ks[i] weights of types[i]) into outs[i]. */
+int gguf_repack_all(int64_t count, const int *types, const uint8_t *const *ws, const int64_t *ns, const int64_t *ks,
+                    uint8_t *const *outs, int threads) {
+    for (int64_t i = 0; i < count; i++)
+        if (gguf_repack(types[i], ws[i], ns[i], ks[i], outs[i], threads)) return -1;
+    return 0;
+}

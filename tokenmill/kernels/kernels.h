@@ -18,6 +18,9 @@
 #define INT8_MATMUL_K_MULTIPLE 32
 /* gguf_matmul's activation blocks: bytes per 32 inputs of a row quantised by gguf_quantize_rows (gguf_matmul.c) */
 #define GGUF_XBLOCK_BYTES 48
+/* gguf_matmul's output columns per regrouped group: a tensor's parts regrouped one after another join up only where
+ * each but the last fills whole groups */
+#define GGUF_GROUP 16
 
 /* fused.c: the norms and q/k norm + rotary, row by row (always compiled in) */
 void rms_norm(const uint16_t *x, int64_t stride, const float *factor, uint16_t *out, int64_t rows, int64_t dim,
@@ -41,6 +44,8 @@ int gguf_matmul_available(void);
 int gguf_quantize_rows(const uint16_t *x, int64_t stride, int64_t m, int64_t k, void *out, int threads);
 int64_t gguf_packed_bytes(int type, int64_t n, int64_t k);
 int gguf_repack(int type, const uint8_t *w, int64_t n, int64_t k, uint8_t *out, int threads);
+int gguf_repack_all(int64_t count, const int *types, const uint8_t *const *ws, const int64_t *ns, const int64_t *ks,
+                    uint8_t *const *outs, int threads);
 int gguf_matmul(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, int type, const uint8_t *w, int64_t n,
                 void *out, int64_t ldo, int float_out, int threads);
 /* Whether gguf_matmul multiplies on AMX tiles (compiled in, granted by the OS, and wanted); enable 0 or 1 sets the

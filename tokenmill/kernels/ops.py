@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Sequence
 from functools import cache
+from typing import NamedTuple
 
 import torch
 
@@ -35,6 +37,7 @@ MAX_ATTENTION_HEAD_DIM = _LIMITS["MAX_ATTENTION_HEAD_DIM"]  # paged_attention's 
 INT8_MATMUL_TILE = _LIMITS["INT8_MATMUL_TILE"]  # int8_matmul's output columns per tile
 INT8_MATMUL_K_MULTIPLE = _LIMITS["INT8_MATMUL_K_MULTIPLE"]  # its input width must be a multiple of this
 GGUF_XBLOCK_BYTES = _LIMITS["GGUF_XBLOCK_BYTES"]  # gguf_matmul's quantised activations: bytes per 32 inputs
+GGUF_GROUP = _LIMITS["GGUF_GROUP"]  # gguf_matmul's output columns per regrouped group
 GGUF_LINEAR_MAX_PARTS = _LIMITS["GGUF_LINEAR_MAX_PARTS"]  # a projection's parts in decoder_layer.c's plan
 
 
@@ -263,16 +266,56 @@ def argmax_rows(x: torch.Tensor) -> list[int]:
     return out.tolist()
 
 
+def gguf_packed_bytes(ggml_type: int, n: int, k: int) -> int:
+    """The bytes of N rows of K weights of `ggml_type` regrouped by gguf_repack (N padded to whole groups)."""
+    size = int(_lib().gguf_packed_bytes(ggml_type, n, k))
+    if size < 0:
+        raise ValueError(f"gguf_repack: ggml type {ggml_type} with rows of {k} has no packed layout")
+    return size
+
+
+def gguf_packed_empty(ggml_type: int, n: int, k: int) -> torch.Tensor:
+    """An unwritten buffer for N rows of K weights of `ggml_type` regrouped by gguf_repack."""
+    return torch.empty(gguf_packed_bytes(ggml_type, n, k), dtype=torch.uint8)
+
+
 def gguf_repack(weight: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
     """The file's (N, row bytes) blocks regrouped in 16-column groups for gguf_matmul (gguf_matmul.c says how;
     about as many bytes per column), N padded to a multiple of 16."""
-    n = weight.shape[0]
-    size = _lib().gguf_packed_bytes(ggml_type, n, k)
-    if size < 0:
-        raise ValueError(f"gguf_repack: ggml type {ggml_type} with rows of {k} has no packed layout")
-    out = torch.empty(size, dtype=torch.uint8)
-    _lib().gguf_repack(ggml_type, weight.contiguous().data_ptr(), n, k, out.data_ptr(), torch.get_num_threads())
+    out = gguf_packed_empty(ggml_type, weight.shape[0], k)
+    gguf_repack_all([RepackJob(weight.contiguous(), ggml_type, k, out, 0)])
     return out
+
+
+class RepackJob(NamedTuple):
+    """`weight`'s (N, row bytes) contiguous blocks of N rows of K weights, regrouped into `out` from byte `at` on."""
+
+    weight: torch.Tensor
+    ggml_type: int
+    k: int
+    out: torch.Tensor
+    at: int
+
+
+def gguf_repack_all(jobs: Sequence[RepackJob]) -> None:
+    """Every job as gguf_repack does it, in one C call: no GIL is taken back between them (see gguf_repack_all in
+    gguf_matmul.c)."""
+    for job in jobs:
+        size = gguf_packed_bytes(job.ggml_type, job.weight.shape[0], job.k)
+        if not job.weight.is_contiguous() or job.at < 0 or job.at + size > job.out.nbytes:
+            raise ValueError("gguf_repack: a contiguous weight, and room for its groups in out from `at` on")
+    count = len(jobs)
+    status = _lib().gguf_repack_all(
+        count,
+        (ctypes.c_int * count)(*(job.ggml_type for job in jobs)),
+        (ctypes.c_void_p * count)(*(job.weight.data_ptr() for job in jobs)),
+        (ctypes.c_int64 * count)(*(job.weight.shape[0] for job in jobs)),
+        (ctypes.c_int64 * count)(*(job.k for job in jobs)),
+        (ctypes.c_void_p * count)(*(job.out.data_ptr() + job.at for job in jobs)),
+        torch.get_num_threads(),
+    )
+    if status:
+        raise ValueError("gguf_repack: a job's type or width has no packed layout")
 
 
 def gguf_matmul(x: torch.Tensor, ggml_type: int, packed: torch.Tensor, n: int, out: torch.Tensor) -> None:

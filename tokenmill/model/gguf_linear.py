@@ -42,29 +42,60 @@ def native(weight: GgufWeight) -> bool:
     return weight.ggml_type in gguf_quant.SUPPORTED and weight.k % 32 == 0
 
 
-class GgufLinear(nn.Module):
-    """y = x @ W.T for W made of GGUF parts stacked by rows (e.g. q, k, v), all of the same input width."""
+class Regrouping:
+    """The regroupings that GgufLinears ask for while a model is put together, run by `run` in one C call
+    (ops.gguf_repack_all): a loader that builds the tokenizer on another thread meanwhile is not held up between
+    tensors by that thread's long stretches with the GIL. Until then the modules' buffers are unwritten."""
 
-    def __init__(self, parts: list[GgufWeight]) -> None:
+    def __init__(self) -> None:
+        self._jobs: list[ops.RepackJob] = []
+        self._file_backed: list[torch.Tensor] = []
+
+    def add(self, part: GgufWeight, out: torch.Tensor, at: int) -> None:
+        self._jobs.append(ops.RepackJob(part.raw.contiguous(), part.ggml_type, part.k, out, at))
+        if part.file_backed:
+            self._file_backed.append(part.raw)
+
+    def run(self) -> None:
+        ops.gguf_repack_all(self._jobs)
+        for raw in self._file_backed:  # read once to regroup: the page cache keeps those pages, RSS need not
+            unmap_file_pages(raw.data_ptr(), raw.data_ptr() + raw.nbytes)
+        self._jobs, self._file_backed = [], []
+
+
+class GgufLinear(nn.Module):
+    """y = x @ W.T for W made of GGUF parts stacked by rows (e.g. q, k, v), all of the same input width.
+
+    `regrouping`: where the kernel's layout is asked for, to be written when its owner runs it; without one it is
+    written before this returns."""
+
+    def __init__(self, parts: list[GgufWeight], regrouping: Regrouping | None = None) -> None:
         super().__init__()
         self.k = parts[0].k
         if any(p.k != self.k for p in parts):
             raise ValueError("the stacked parts of a GgufLinear must share their input width")
         self.kernel = ops.gguf_matmul_available()
-        if self.kernel:
-            parts = _merge_same_types(parts)
-        self.types = [p.ggml_type for p in parts]
-        self.rows = [p.rows for p in parts]
+        runs = _same_type_runs(parts) if self.kernel else [[p] for p in parts]
+        self.types = [run[0].ggml_type for run in runs]
+        self.rows = [sum(p.rows for p in run) for run in runs]
         self.out_features = sum(self.rows)
-        starts = [sum(self.rows[:i]) for i in range(len(parts))]  # each part's first output column
+        starts = [sum(self.rows[:i]) for i in range(len(runs))]  # each part's first output column
         self._calls = [(f"part{i}", t, n, at) for i, (t, n, at) in enumerate(zip(self.types, self.rows, starts))]
-        for i, part in enumerate(parts):  # the kernel's layout, or the file's blocks for the torch path
-            if self.kernel:
-                self.register_buffer(f"part{i}", ops.gguf_repack(part.raw, part.ggml_type, part.k))
-                if part.file_backed:  # read once to regroup: the page cache keeps those pages, RSS need not
-                    unmap_file_pages(part.raw.data_ptr(), part.raw.data_ptr() + part.raw.nbytes)
-            else:
+        if not self.kernel:  # the torch path computes with the file's blocks
+            for i, part in enumerate(parts):
                 self.register_buffer(f"part{i}", part.raw)
+            return
+        own = regrouping is None
+        regrouping = regrouping or Regrouping()
+        for i, run in enumerate(runs):  # a run of parts of one type regrouped as one, each into its own groups
+            out = ops.gguf_packed_empty(self.types[i], self.rows[i], self.k)
+            at = 0
+            for part in run:
+                regrouping.add(part, out, at)
+                at += ops.gguf_packed_bytes(part.ggml_type, part.rows, part.k)
+            self.register_buffer(f"part{i}", out)
+        if own:
+            regrouping.run()
 
     def _part(self, i: int) -> torch.Tensor:
         return self.get_buffer(f"part{i}")
@@ -102,20 +133,19 @@ class GgufLinear(nn.Module):
 _KERNEL_OUT = (torch.bfloat16, torch.float32)
 
 
-def _merge_same_types(parts: list[GgufWeight]) -> list[GgufWeight]:
-    """Neighbouring parts of one type (gate and up, often q and k) become one: one kernel call instead of two. Rows
-    are independent outputs, so the merged part computes exactly what the two did."""
-    merged: list[GgufWeight] = []
+def _same_type_runs(parts: list[GgufWeight]) -> list[list[GgufWeight]]:
+    """Neighbouring parts of one type (gate and up, often q and k) grouped to be computed as one: one kernel call
+    instead of two. Rows are independent outputs, so a run computes exactly what its parts did. A part joins the run
+    before it only if that run's rows fill whole 16-column groups, so that each part's groups follow the last's in
+    the regrouped layout, and no part is copied to be joined."""
+    runs: list[list[GgufWeight]] = []
     for part in parts:
-        if merged and merged[-1].ggml_type == part.ggml_type:
-            last = merged.pop()
-            joined = GgufWeight(part.ggml_type, torch.cat([last.raw, part.raw]), part.k)
-            for source in (last, part):  # copied: the file's pages read for it can go
-                if source.file_backed:
-                    unmap_file_pages(source.raw.data_ptr(), source.raw.data_ptr() + source.raw.nbytes)
-            part = joined
-        merged.append(part)
-    return merged
+        last = runs[-1] if runs else None
+        if last and last[0].ggml_type == part.ggml_type and sum(p.rows for p in last) % ops.GGUF_GROUP == 0:
+            last.append(part)
+        else:
+            runs.append([part])
+    return runs
 
 
 class GgufEmbedding(nn.Module):
@@ -145,6 +175,7 @@ def adopt_gguf(
     """
     left = dict(quantized)
     entries: dict[str, torch.Tensor] = {}
+    regrouping = Regrouping()  # every linear's blocks regrouped at the end, in one C call
 
     def place(name: str, module: nn.Module) -> None:
         parent, _, attr = name.rpartition(".")
@@ -156,14 +187,15 @@ def adopt_gguf(
             prefix = key[: -len(f"{parts[0]}.weight")]
             names = [f"{prefix}{p}.weight" for p in parts]
             if all(n in left for n in names):
-                place(f"{prefix}{fused}", GgufLinear([left.pop(n) for n in names]))
+                place(f"{prefix}{fused}", GgufLinear([left.pop(n) for n in names], regrouping))
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear) and f"{name}.weight" in left:
-            place(name, GgufLinear([left.pop(f"{name}.weight")]))
+            place(name, GgufLinear([left.pop(f"{name}.weight")], regrouping))
     embed = left.pop("model.embed_tokens.weight", None)
     if embed is not None:
         place("model.embed_tokens", GgufEmbedding(embed, dtype))
         if getattr(model, "lm_head", None) is None:  # tied: the head multiplies with the same blocks
-            place("lm_head", GgufLinear([embed]))
+            place("lm_head", GgufLinear([embed], regrouping))
+    regrouping.run()
     floats = {name: gguf_quant.dequantize(w.raw, w.ggml_type, w.k).to(dtype) for name, w in left.items()}
     return entries, floats

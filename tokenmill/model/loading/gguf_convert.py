@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,7 +119,7 @@ class NativeGguf:
     config: ModelConfig
     state_dict: dict[str, torch.Tensor]  # the rest (norms, float weights), HF names and conventions, in `dtype`
     quantized: dict[str, GgufWeight]  # HF weight names → the file's blocks, rows in HF's order
-    tokenizer: Tokenizer
+    tokenizer: Future[Tokenizer]  # built on a thread of its own while the caller regroups the weights
     name: str
     mapped: tuple[int, int]  # the address range of the file's tensor data in its (copy-on-write) mapping
 
@@ -133,6 +134,7 @@ def read_gguf_native(path: str, dtype: torch.dtype) -> NativeGguf:
             f"unsupported model architecture {arch!r} in {path}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     config = gguf_config(meta, tensors)
+    tokenizer = _on_its_own_thread(Tokenizer.from_gguf, meta)
     state_dict: dict[str, torch.Tensor] = {}
     quantized: dict[str, GgufWeight] = {}
     for tensor in _weights(tensors):
@@ -147,8 +149,17 @@ def read_gguf_native(path: str, dtype: torch.dtype) -> NativeGguf:
             state_dict[name] = _to_hf_convention(name, torch.from_numpy(values).reshape(shape), config).to(dtype)
     addresses = [(t.data.ctypes.data, t.data.ctypes.data + t.data.nbytes) for t in tensors]
     mapped = (min(a for a, _ in addresses), max(b for _, b in addresses))
-    tokenizer = Tokenizer.from_gguf(meta)
     return NativeGguf(config, state_dict, quantized, tokenizer, str(meta.get("general.name", "")), mapped)
+
+
+def _on_its_own_thread(build: Callable[[dict[str, Any]], Tokenizer], meta: dict[str, Any]) -> Future[Tokenizer]:
+    """build(meta) on a new thread. Why: a large vocabulary's tokenizer takes seconds to build, most of them holding
+    the GIL, and the weights' regrouping that follows is one C call that needs none; on two cores the two overlap."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-tokenizer")
+    try:
+        return pool.submit(build, meta)
+    finally:
+        pool.shutdown(wait=False)  # the thread ends with its one task
 
 
 def _hf_rows(name: str, raw: torch.Tensor, config: ModelConfig) -> torch.Tensor:

@@ -22,7 +22,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,13 +56,20 @@ _HF_IDENTITY_FILES = (
 class LoadedWeights:
     config: ModelConfig
     state_dict: dict[str, torch.Tensor]  # Hugging Face names and conventions, in the requested dtype
-    tokenizer: Tokenizer
+    tokenizer_source: Tokenizer | Future[Tokenizer]  # a GGUF's still being built on a thread: see `tokenizer`
     source_id: str  # SHA-256 identity of the model file(s); feeds the system_fingerprint
     name: str
     cache_entry: Path | None = None  # the converted model's cache directory, if it has one
     prepared: bool = False  # state_dict is the engine's prepared (stacked, quantised) layout, saved by a first start
     quantized: dict[str, GgufWeight] = field(default_factory=dict)  # weights kept as a GGUF file's blocks
     mapped: tuple[int, int] | None = None  # where `quantized` lies in memory: a private mapping of the file
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer, once built: a GGUF's is built on a thread while its weights are regrouped, and an error
+        of that build (a vocabulary no builder here takes) is raised here."""
+        source = self.tokenizer_source
+        return source.result() if isinstance(source, Future) else source
 
 
 def prepared_file(entry: Path, dtype: torch.dtype, quantization: str) -> Path:
