@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
@@ -101,3 +102,31 @@ def test_layers_sharing_a_regrouping_are_written_when_it_runs() -> None:
     for layer, (raw, k), t in zip(layers, parts, (T.Q5_0, T.Q4_K, T.Q6_K)):
         x = activations(2, k).to(torch.bfloat16)
         assert torch.equal(layer(x), GgufLinear([GgufWeight(int(t), raw, k)])(x))
+
+
+def _resident_kb(path: Path) -> int:
+    """This process's resident KB of its mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if line[:1].isdigit() or line[:1] in "abcdef" and "-" in line.split()[0]:
+            inside = line.endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's /proc/self/smaps")
+@pytest.mark.skipif(not ops.gguf_matmul_available(), reason="the GGUF kernel is not built here")
+def test_a_file_backed_weight_leaves_the_process_once_regrouped(tmp_path: Path) -> None:
+    """The file's pages read to regroup a weight are dropped from the process right after (they stay in the page
+    cache), so the file's copy and the regrouped one are never both counted; a weight not from a file is kept."""
+    raw, k = weights(T.Q8_0, n=1024)
+    path = tmp_path / "blocks.bin"
+    raw.numpy().tofile(path)
+    mapped = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c").reshape(raw.shape))
+    assert int(mapped.sum()) == int(raw.sum()) and _resident_kb(path) >= raw.nbytes // 1024 - 4  # read in
+    layer = GgufLinear([GgufWeight(int(T.Q8_0), mapped, k, file_backed=True)])
+    assert _resident_kb(path) <= 8  # at most a page at either end
+    x = activations(2, k).to(torch.bfloat16)
+    assert torch.equal(layer(x), GgufLinear([GgufWeight(int(T.Q8_0), raw, k)])(x))
+    assert torch.equal(mapped, raw)  # the mapping still reads the file

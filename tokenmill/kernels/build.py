@@ -48,6 +48,7 @@ SOURCES = [
         "argmax.c",
         "gelu.c",
         "decoder_layer.c",
+        "token_splits.c",
     )
 ]
 KERNELS_H = HERE / "kernels.h"  # the prototypes and limits C and Python share
@@ -73,7 +74,7 @@ SIGNATURES: dict[str, tuple[CType | None, list[CType]]] = {
     "gguf_matmul": (_INT, [_PTR, _I64, _I64, _I64, _INT, _PTR, _I64, _PTR, _I64, _INT, _INT]),
     "gguf_packed_bytes": (_I64, [_INT, _I64, _I64]),
     "gguf_repack": (_INT, [_INT, _PTR, _I64, _I64, _PTR, _INT]),
-    "gguf_repack_all": (_INT, [_I64, _PTR, _PTR, _PTR, _PTR, _PTR, _INT]),
+    "gguf_repack_all": (_INT, [_I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT]),
     "gguf_amx": (_INT, [_INT]),
     "paged_attention_available": (_INT, []),
     "paged_attention": (
@@ -88,6 +89,7 @@ SIGNATURES: dict[str, tuple[CType | None, list[CType]]] = {
     "decoder_layer_plan_bytes": (_I64, []),
     "gemma3_layer": (_INT, [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT]),
     "llama_layer": (_INT, [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT]),
+    "token_splits": (_I64, [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64]),
 }
 _warned: set[str] = set()
 

@@ -27,6 +27,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
 
 #include "bf16.h"
 #include "kernels.h"
@@ -1000,10 +1004,22 @@ int gguf_matmul(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, int t
 
 /* gguf_repack for `count` tensors in one call: a loader holds no GIL from the first to the last, so a tokenizer built
  * on another Python thread meanwhile (which holds the GIL through its long native calls) cannot stall it between
- * tensors. Job i regroups ws[i] (ns[i] rows of ks[i] weights of types[i]) into outs[i]. */
+ * tensors. Job i regroups ws[i] (ns[i] rows of ks[i] weights of types[i]) into outs[i]. Where release[i] is not 0,
+ * ws[i] lies in a private, never-written mapping of a file and its release[i] bytes are dropped from the process as
+ * soon as they are read (madvise DONTNEED: the page cache keeps them, and a page shared with a neighbour faults back in
+ * from the file), so the file's copy and the regrouped one are never both resident. */
 int gguf_repack_all(int64_t count, const int *types, const uint8_t *const *ws, const int64_t *ns, const int64_t *ks,
-                    uint8_t *const *outs, int threads) {
-    for (int64_t i = 0; i < count; i++)
+                    uint8_t *const *outs, const int64_t *release, int threads) {
+    for (int64_t i = 0; i < count; i++) {
         if (gguf_repack(types[i], ws[i], ns[i], ks[i], outs[i], threads)) return -1;
+#if defined(__linux__)
+        if (release[i] > 0) {
+            uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE), begin = (uintptr_t)ws[i] / page * page;
+            madvise((void *)begin, (uintptr_t)ws[i] + (uintptr_t)release[i] - begin, MADV_DONTNEED);
+        }
+#else
+        (void)release;
+#endif
+    }
     return 0;
 }

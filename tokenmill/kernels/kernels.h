@@ -45,7 +45,7 @@ int gguf_quantize_rows(const uint16_t *x, int64_t stride, int64_t m, int64_t k, 
 int64_t gguf_packed_bytes(int type, int64_t n, int64_t k);
 int gguf_repack(int type, const uint8_t *w, int64_t n, int64_t k, uint8_t *out, int threads);
 int gguf_repack_all(int64_t count, const int *types, const uint8_t *const *ws, const int64_t *ns, const int64_t *ks,
-                    uint8_t *const *outs, int threads);
+                    uint8_t *const *outs, const int64_t *release, int threads);
 int gguf_matmul(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, int type, const uint8_t *w, int64_t n,
                 void *out, int64_t ldo, int float_out, int threads);
 /* Whether gguf_matmul multiplies on AMX tiles (compiled in, granted by the OS, and wanted); enable 0 or 1 sets the
@@ -92,5 +92,11 @@ int gemma3_layer(const decoder_layer_plan *p, const uint16_t *x, uint16_t *out, 
 int llama_layer(const decoder_layer_plan *p, const uint16_t *x, uint16_t *out, int64_t t, const uint16_t *cos,
                 const uint16_t *signed_sin, uint16_t *k_cache, uint16_t *v_cache, const int64_t *slot_mapping,
                 const int64_t *slots, const int64_t *offset, const int64_t *count, int threads);
+
+/* token_splits.c: every cut of a vocabulary's pieces (code points, piece i at codes[starts[i]], lengths[i] long) into
+ * two of its pieces, piece by piece, the longer left piece first: (left[j], right[j]) for j < the count returned; -1
+ * without memory, -2 if more than `capacity` (always compiled in) */
+int64_t token_splits(const uint32_t *codes, const int64_t *starts, const int64_t *lengths, int64_t n, int64_t *left,
+                     int64_t *right, int64_t capacity);
 
 #endif

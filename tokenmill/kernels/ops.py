@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from collections.abc import Sequence
 from functools import cache
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from tokenmill.kernels import build
@@ -41,12 +43,18 @@ GGUF_GROUP = _LIMITS["GGUF_GROUP"]  # gguf_matmul's output columns per regrouped
 GGUF_LINEAR_MAX_PARTS = _LIMITS["GGUF_LINEAR_MAX_PARTS"]  # a projection's parts in decoder_layer.c's plan
 
 
+_loading = threading.Lock()
+
+
 @cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None: turned off (TOKENMILL_FUSED=0), or not buildable here."""
+    """The compiled kernels, or None: turned off (TOKENMILL_FUSED=0), or not buildable here. Threads that ask before
+    the first answer is cached (a GGUF's tokenizer is built on a thread of its own while the weights load) take
+    turns, so a first start compiles once."""
     if os.environ.get("TOKENMILL_FUSED", "1") == "0":
         return None
-    return build.library()
+    with _loading:
+        return build.library()
 
 
 def _lib() -> ctypes.CDLL:
@@ -288,18 +296,21 @@ def gguf_repack(weight: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
 
 
 class RepackJob(NamedTuple):
-    """`weight`'s (N, row bytes) contiguous blocks of N rows of K weights, regrouped into `out` from byte `at` on."""
+    """`weight`'s (N, row bytes) contiguous blocks of N rows of K weights, regrouped into `out` from byte `at` on.
+    `file_backed`: the weight lies in a private, never-written mapping of a file, whose pages are dropped from the
+    process once read (they stay in the page cache)."""
 
     weight: torch.Tensor
     ggml_type: int
     k: int
     out: torch.Tensor
     at: int
+    file_backed: bool = False
 
 
 def gguf_repack_all(jobs: Sequence[RepackJob]) -> None:
-    """Every job as gguf_repack does it, in one C call: no GIL is taken back between them (see gguf_repack_all in
-    gguf_matmul.c)."""
+    """Every job as gguf_repack does it, in one C call: no GIL is taken back between them, and each file-backed
+    weight's pages go as soon as it is regrouped (see gguf_repack_all in gguf_matmul.c)."""
     for job in jobs:
         size = gguf_packed_bytes(job.ggml_type, job.weight.shape[0], job.k)
         if not job.weight.is_contiguous() or job.at < 0 or job.at + size > job.out.nbytes:
@@ -312,6 +323,7 @@ def gguf_repack_all(jobs: Sequence[RepackJob]) -> None:
         (ctypes.c_int64 * count)(*(job.weight.shape[0] for job in jobs)),
         (ctypes.c_int64 * count)(*(job.k for job in jobs)),
         (ctypes.c_void_p * count)(*(job.out.data_ptr() + job.at for job in jobs)),
+        (ctypes.c_int64 * count)(*(job.weight.nbytes if job.file_backed else 0 for job in jobs)),
         torch.get_num_threads(),
     )
     if status:
@@ -444,3 +456,28 @@ def decoder_layer(
     if status:
         raise ValueError(f"{kernel}: a plan whose shapes disagree, or a kernel that is not compiled in")
     return out
+
+
+def token_splits(codes: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """(left, right) piece indices for every cut of every piece into two pieces (token_splits.c), or None without
+    the library. `codes`: the pieces' code points (uint32) one after another; `starts`, `lengths`: int64 per piece."""
+    lib = library()
+    if lib is None:
+        return None
+    codes, starts, lengths = (
+        np.ascontiguousarray(a, dtype) for a, dtype in ((codes, np.uint32), (starts, np.int64), (lengths, np.int64))
+    )
+    capacity = int(np.maximum(lengths - 1, 0).sum())
+    left, right = np.empty(capacity, np.int64), np.empty(capacity, np.int64)
+    found = lib.token_splits(
+        codes.ctypes.data,
+        starts.ctypes.data,
+        lengths.ctypes.data,
+        len(lengths),
+        left.ctypes.data,
+        right.ctypes.data,
+        capacity,
+    )
+    if found < 0:
+        raise MemoryError("token_splits: no memory for the pieces' table")
+    return left[:found], right[:found]

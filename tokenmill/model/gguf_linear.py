@@ -20,7 +20,6 @@ from torch import nn
 
 from tokenmill.kernels import ops
 from tokenmill.model import gguf_quant
-from tokenmill.model.loading.memory import unmap_file_pages
 
 
 @dataclass(frozen=True)
@@ -49,18 +48,14 @@ class Regrouping:
 
     def __init__(self) -> None:
         self._jobs: list[ops.RepackJob] = []
-        self._file_backed: list[torch.Tensor] = []
 
     def add(self, part: GgufWeight, out: torch.Tensor, at: int) -> None:
-        self._jobs.append(ops.RepackJob(part.raw.contiguous(), part.ggml_type, part.k, out, at))
-        if part.file_backed:
-            self._file_backed.append(part.raw)
+        # a file's pages, read once to regroup, are dropped as each is done: the page cache keeps them, RSS need not
+        self._jobs.append(ops.RepackJob(part.raw.contiguous(), part.ggml_type, part.k, out, at, part.file_backed))
 
     def run(self) -> None:
         ops.gguf_repack_all(self._jobs)
-        for raw in self._file_backed:  # read once to regroup: the page cache keeps those pages, RSS need not
-            unmap_file_pages(raw.data_ptr(), raw.data_ptr() + raw.nbytes)
-        self._jobs, self._file_backed = [], []
+        self._jobs = []
 
 
 class GgufLinear(nn.Module):

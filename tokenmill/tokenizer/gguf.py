@@ -138,9 +138,9 @@ def _merges_in_file_order(tokens: list[str], vocab: Mapping[str, int]) -> list[t
 
     Equals transformers' `generate_merges(vocab, {t: -index})` (Gemma's scores do not follow its merge order), which
     sorts by (score, len(left), len(right)) descending; this produces that order directly. `vocab`: the tokens'
-    distinct strings. The splits are found by split_pairs (numpy, exact); where two of the vocabulary's strings share
-    a hash it cannot decide, and the same list comes from slicing every token at every cut, ~1.2 million dictionary
-    look-ups for Gemma 3's 262,144 pieces (the README's AVX2 section has the times).
+    distinct strings. The splits are found by split_pairs (C or numpy, exact); where numpy's finds two of the
+    vocabulary's strings sharing a hash it cannot decide, and the same list comes from slicing every token at every
+    cut, ~1.2 million dictionary look-ups for Gemma 3's 262,144 pieces (the README's AVX2 section has the times).
     """
     pairs = split_pairs(tokens, len(vocab))
     if pairs is None:

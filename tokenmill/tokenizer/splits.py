@@ -1,9 +1,10 @@
-"""Every way to cut a vocabulary's tokens into two tokens of the same vocabulary, found with numpy.
+"""Every way to cut a vocabulary's tokens into two tokens of the same vocabulary, found in C or with numpy.
 
 A SentencePiece vocabulary without merges (Gemma's GGUF) gets them from its own pieces: each split of a token into
 two pieces that are tokens themselves. Slicing Gemma 3's 262,144 Python strings at each of their 1.2 million cuts
-and looking both halves up in a dict takes most of the tokenizer's build. Here the cuts are taken one position at a
-time for all the tokens at once: a polynomial hash of each token's prefix grows by one code point a step, the
+and looking both halves up in a dict takes most of the tokenizer's build. Where the C kernels are built, one pass of
+theirs does it (kernels/token_splits.c, a hash table of the pieces); elsewhere numpy does, the cuts taken one position
+at a time for all the tokens at once: a polynomial hash of each token's prefix grows by one code point a step, the
 suffix's hash follows from the whole token's, and both are looked up in a hash table of the tokens' own hashes; each
 hit is then checked code point by code point against the tokens it names.
 
@@ -27,9 +28,12 @@ def split_pairs(tokens: list[str], distinct: int) -> tuple[np.ndarray, np.ndarra
     n = len(tokens)
     lengths = np.fromiter(map(len, tokens), dtype=np.int64, count=n)
     width = int(lengths.max()) if n else 0
-    codes = np.frombuffer("".join(tokens).encode("utf-32-le", "surrogatepass"), dtype=np.uint32).astype(np.uint64)
+    code_points = np.frombuffer("".join(tokens).encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
     starts = np.zeros(n, np.int64)
     np.cumsum(lengths[:-1], out=starts[1:])
+    if n and (in_c := _in_c(code_points, starts, lengths)) is not None:
+        return in_c
+    codes = code_points.astype(np.uint64)
     powers = np.array([pow(_BASE, k, 1 << 64) for k in range(width + 1)], dtype=np.uint64)
     one, base = np.uint64(1), np.uint64(_BASE)
 
@@ -74,6 +78,13 @@ def split_pairs(tokens: list[str], distinct: int) -> tuple[np.ndarray, np.ndarra
     hits, cuts, left, right = (np.concatenate(column) for column in zip(*found))
     ranking = np.lexsort((-cuts, hits))  # token by token, the longest left piece first
     return left[ranking], right[ranking]
+
+
+def _in_c(codes: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """The same pairs from the C kernels' one pass (token_splits.c), exact; None where they are not built."""
+    from tokenmill.kernels import ops  # here, not at the top: the kernels' Python side imports torch
+
+    return ops.token_splits(codes, starts, lengths)
 
 
 class _HashTable:
