@@ -10,6 +10,8 @@ Our C kernels serve the bf16 hot path where eager torch is slow on a CPU, mostly
 - gelu.c: the gated GELU in one pass; argmax.c: greedy decoding's argmax in one vectorised pass.
 - decoder_layer.c: a whole Gemma 3 or Llama-family layer on the bf16 + GGUF path (the kernels above, back to back)
   in one call.
+- token_splits.c, not a model kernel: the two-piece splits of a vocabulary's pieces, for the Gemma GGUF tokenizer's
+  merges (tokenizer/splits.py), a part of every start that numpy took ~0.7 s over.
 The README's Performance section has what each gains. Each computes the arithmetic of the torch path it replaces.
 
 build.py compiles them on first use and caches the build. `library()` is that library, or None where it could not be
