@@ -598,6 +598,23 @@ static inline void prefetch_through(const char **ahead, const uint8_t *used) {
     for (; *ahead < end; *ahead += 64) _mm_prefetch(*ahead, _MM_HINT_T1);
 }
 
+/* One row's float step for a sub-block, from its exact int32 sums (Q6_K: `half` holds elements 0-15, `sum` 16-31):
+ * every path (many rows, one row, AMX) ends a sub-block with these operations in this order, so the same bits */
+ALWAYS_INLINE void float_step(int type, ivec sum, ivec half, factors f, const xblock *xb, fvec *acc, fvec *mins) {
+    fvec xd = fv_set1(xb->d);
+    if (type == Q4_K || type == Q5_K) {
+        *acc = fv_fma(fv_cvt(sum), fv_mul(f.scale, xd), *acc);
+        *mins = fv_fma(f.min, fv_set1(block_dsum(xb)), *mins);
+    } else if (type == Q6_K) {
+        ivec lo = iv_sub_set1(half, 32 * xb->halves[0]);
+        ivec hi = iv_sub_set1(sum, 32 * xb->halves[1]);
+        *acc = fv_fma(fv_cvt(lo), fv_mul(f.scale, xd), *acc);
+        *acc = fv_fma(fv_cvt(hi), fv_mul(f.scale_hi, xd), *acc);
+    } else {
+        *acc = fv_fma(fv_cvt(sum), fv_mul(f.scale, xd), *acc);
+    }
+}
+
 /* R rows' update by one sub-block: the exact int32 sums of the decoded vectors against each row's block (from the
  * offset quantize_rows left), then one float step per row (K-quants' minimums in `mins`). Q6_K's halves (elements
  * 0-15, 16-31) are summed apart. */
@@ -635,20 +652,43 @@ ALWAYS_INLINE void rows_update(int type, const ivec *vec, const ivec *mag, facto
                                       : iv_dot2(sum[r], vec[g], four(xb[r], g), vec[g + 1], four(xb[r], g + 1));
         }
     }
-    for (int r = 0; r < R; r++) {
-        fvec xd = fv_set1(xb[r]->d);
-        if (type == Q4_K || type == Q5_K) {
-            acc[r] = fv_fma(fv_cvt(sum[r]), fv_mul(f.scale, xd), acc[r]);
-            mins[r] = fv_fma(f.min, fv_set1(block_dsum(xb[r])), mins[r]);
-        } else if (type == Q6_K) {
-            ivec lo = iv_sub_set1(half[r], 32 * xb[r]->halves[0]);
-            ivec hi = iv_sub_set1(sum[r], 32 * xb[r]->halves[1]);
-            acc[r] = fv_fma(fv_cvt(lo), fv_mul(f.scale, xd), acc[r]);
-            acc[r] = fv_fma(fv_cvt(hi), fv_mul(f.scale_hi, xd), acc[r]);
-        } else {
-            acc[r] = fv_fma(fv_cvt(sum[r]), fv_mul(f.scale, xd), acc[r]);
+    for (int r = 0; r < R; r++) float_step(type, sum[r], half[r], f, xb[r], &acc[r], &mins[r]);
+}
+
+/* The group's 16 columns against one row (a single stream's decode step): each code vector decoded just before its
+ * dot product instead of all eight first for the rows to share (which, with Q8_0's magnitudes, is more vectors than
+ * AVX2 has registers: the rest went to the stack and back every sub-block). The same integer sums as rows_update's
+ * one-row case (two chains per half, joined exactly) and the same float step: the same bits. */
+ALWAYS_INLINE void packed_group_row(int type, const uint8_t *w, const xblock *x, int64_t nb, fvec *res) {
+    const int S = is_k(type) ? 8 : 1;
+    const int64_t unit = packed_unit_bytes(type);
+    fvec acc = fv_zero(), mins = fv_zero();
+    const char *ahead = (const char *)w + PREFETCH_AHEAD;
+    for (int64_t u = 0; u < nb / S; u++) {
+        const uint8_t *blk = w + u * unit;
+        fvec d = fv_fp16(blk);
+        const uint8_t *codes = blk + codes_at(type);
+        for (int j = 0; j < S; j++) {
+            factors f = sub_block_factors(type, blk, d, j);
+            prefetch_through(&ahead, codes + (j + 1) * code_bytes(type));
+            const uint8_t *c = codes + j * code_bytes(type);
+            const xblock *xb = x + u * S + j;
+            ivec chain[2][2] = {{code_offset(type) ? iv_set1(xb->halves[0]) : iv_zero(), iv_zero()},
+                                {iv_zero(), iv_zero()}};
+            for (int g = 0; g < 8; g += 2) {
+                ivec *at = &chain[g / 4][g / 2 % 2];
+                ivec v0 = packed_vector(type, c, g), v1 = packed_vector(type, c, g + 1);
+                if (type == Q8_0)
+                    *at = iv_dot_signed(iv_dot_signed(*at, v0, iv_magnitude(v0), four(xb, g)), v1, iv_magnitude(v1),
+                                        four(xb, g + 1));
+                else
+                    *at = iv_dot2(*at, v0, four(xb, g), v1, four(xb, g + 1));
+            }
+            ivec lo = iv_add(chain[0][0], chain[0][1]), hi = iv_add(chain[1][0], chain[1][1]);
+            float_step(type, type == Q6_K ? hi : iv_add(lo, hi), lo, f, xb, &acc, &mins);
         }
     }
+    res[0] = fv_sub(acc, mins);
 }
 
 /* The group's 16 columns against `rows` rows (<= ROW_CHUNK; block b of row r at x + b * m + r) into res[r]. Block by
@@ -656,6 +696,10 @@ ALWAYS_INLINE void rows_update(int type, const ivec *vec, const ivec *mag, facto
  * rows compute (the accumulators live in L1). */
 ALWAYS_INLINE void packed_group(int type, const uint8_t *w, const xblock *x, int64_t nb, int64_t m, int64_t rows,
                                 fvec *res) {
+    if (rows == 1) {
+        packed_group_row(type, w, x, nb, res);
+        return;
+    }
     const int S = is_k(type) ? 8 : 1; /* sub-blocks per unit */
     const int64_t unit = packed_unit_bytes(type);
     fvec mins[ROW_CHUNK];
