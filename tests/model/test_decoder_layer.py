@@ -17,6 +17,7 @@ from tokenmill.config import Config
 from tokenmill.engine.build import build_engine_core, describe
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.kernels import ops
+from tokenmill.model.c_layer import LayerStack
 from tokenmill.model.gemma3 import Gemma3DecoderLayer
 from tokenmill.model.llama import LlamaDecoderLayer
 
@@ -58,6 +59,47 @@ def test_engine_steps_in_c_equal_the_modules_token_for_token_and_logprob_for_log
     modules = _greedy_run(native_model(path, tmp_path / "cache"))
     assert sum(len(ids) for deltas in in_c.values() for ids, _ in deltas) == 12 * len(PROMPTS)  # type: ignore[misc]
     assert in_c == modules
+
+
+def _counting_stack_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    real = ops.decoder_stack
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(len(args[1]))  # type: ignore[arg-type]
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ops, "decoder_stack", counted)
+    return calls
+
+
+@pytest.mark.parametrize("name", ["gemma3", "llama", "qwen2"])
+def test_a_steps_layers_run_as_one_c_call_with_the_bits_of_a_call_per_layer(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gemma 3's sliding and global layers (two kinds of rope and key lists in one call), Llama's one kind."""
+    path = (
+        write_tiny_gguf(tmp_path / "mixed.gguf", quantize=MIXED) if name == "gemma3" else _family_gguf(tmp_path, name)
+    )
+    calls = _counting_stack_calls(monkeypatch)
+    model = _one_global_layer(native_model(path, tmp_path / "cache"))
+    stacked, stacked_dense = _greedy_run(model), model.forward_dense(IDS)
+    assert calls and set(calls) == {len(model.model.layers)}  # every step, every layer
+    monkeypatch.setattr(LayerStack, "enabled", False)
+    calls.clear()
+    assert _greedy_run(_one_global_layer(native_model(path, tmp_path / "cache"))) == stacked
+    assert torch.equal(model.forward_dense(IDS), stacked_dense)
+    assert not calls
+
+
+def _one_global_layer(model: torch.nn.Module) -> torch.nn.Module:
+    """The tiny Gemma 3 file's layers are all sliding (every sixth is global): its second made global, as in a real
+    file, so that a step holds both kinds (the local rope and the window, the global rope and the whole context)."""
+    layer = model.model.layers[1]  # type: ignore[union-attr, index]
+    if isinstance(layer, Gemma3DecoderLayer):
+        layer.is_sliding, layer.self_attn.window = False, None
+        assert {layer.is_sliding for layer in model.model.layers} == {True, False}  # type: ignore[union-attr]
+    return model
 
 
 def test_a_layer_without_gguf_blocks_keeps_the_modules() -> None:

@@ -92,6 +92,20 @@ int gemma3_layer(const decoder_layer_plan *p, const uint16_t *x, uint16_t *out, 
 int llama_layer(const decoder_layer_plan *p, const uint16_t *x, uint16_t *out, int64_t t, const uint16_t *cos,
                 const uint16_t *signed_sin, uint16_t *k_cache, uint16_t *v_cache, const int64_t *slot_mapping,
                 const int64_t *slots, const int64_t *offset, const int64_t *count, int threads);
+/* decoder_stack: every layer of a step, each as gemma3_layer or llama_layer; a layer's kind picks its cos / sin and key
+ * lists among the step's (ops.StackLayer and ops.StackKinds mirror these two) */
+#define STACK_KINDS 2
+typedef struct {
+    const decoder_layer_plan *plan;
+    uint16_t *k_cache, *v_cache;
+    int64_t kind;
+} stack_layer;
+typedef struct {
+    const uint16_t *cos[STACK_KINDS], *signed_sin[STACK_KINDS];
+    const int64_t *slots[STACK_KINDS], *offset[STACK_KINDS], *count[STACK_KINDS];
+} stack_kinds;
+int decoder_stack(int gemma, const stack_layer *layers, int64_t n, const stack_kinds *kinds, const uint16_t *x,
+                  uint16_t *out, uint16_t *spare, int64_t t, const int64_t *slot_mapping, int threads);
 
 /* token_splits.c: every cut of a vocabulary's pieces (code points, piece i at codes[starts[i]], lengths[i] long) into
  * two of its pieces, piece by piece, the longer left piece first: (left[j], right[j]) for j < the count returned; -1

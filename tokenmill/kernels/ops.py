@@ -42,6 +42,7 @@ INT8_MATMUL_TILE = _LIMITS["INT8_MATMUL_TILE"]  # int8_matmul's output columns p
 INT8_MATMUL_K_MULTIPLE = _LIMITS["INT8_MATMUL_K_MULTIPLE"]  # its input width must be a multiple of this
 GGUF_XBLOCK_BYTES = _LIMITS["GGUF_XBLOCK_BYTES"]  # gguf_matmul's quantised activations: bytes per 32 inputs
 GGUF_GROUP = _LIMITS["GGUF_GROUP"]  # gguf_matmul's output columns per regrouped group
+STACK_KINDS = _LIMITS["STACK_KINDS"]  # the (rope, key lists) pairs one decoder_stack call tells its layers apart by
 GGUF_LINEAR_MAX_PARTS = _LIMITS["GGUF_LINEAR_MAX_PARTS"]  # a projection's parts in decoder_layer.c's plan
 
 
@@ -457,6 +458,55 @@ def decoder_layer(
         raise MemoryError(f"{kernel}: no memory for the scratch of {x.shape[0]} rows")
     if status:
         raise ValueError(f"{kernel}: a plan whose shapes disagree, or a kernel that is not compiled in")
+    return out
+
+
+class StackLayer(ctypes.Structure):
+    """kernels.h's stack_layer: one layer of a decoder_stack call (its plan, its cache, which of the step's kinds)."""
+
+    _fields_ = [
+        ("plan", ctypes.c_void_p),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+        ("kind", ctypes.c_int64),
+    ]
+
+
+class StackKinds(ctypes.Structure):
+    """kernels.h's stack_kinds: per kind, the step's cos / signed sin ((T, head_dim) bf16) and key lists."""
+
+    _fields_ = [(name, ctypes.c_void_p * STACK_KINDS) for name in ("cos", "signed_sin", "slots", "offset", "count")]
+
+
+def decoder_stack(
+    gemma: bool,
+    layers: ctypes.Array[StackLayer],
+    kinds: StackKinds,
+    x: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Every layer in `layers` in one C call, each as gemma3_layer (`gemma`) or llama_layer: x (T, hidden) bf16 →
+    the last layer's output, a new tensor. The tensors `layers` and `kinds` point into must outlive the call."""
+    x = x.contiguous()
+    out, spare = torch.empty_like(x), torch.empty_like(x)
+    status = _lib().decoder_stack(
+        int(gemma),
+        ctypes.addressof(layers),
+        len(layers),
+        ctypes.addressof(kinds),
+        x.data_ptr(),
+        out.data_ptr(),
+        spare.data_ptr(),
+        x.shape[0],
+        slot_mapping.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if status == -2:
+        raise MemoryError(f"decoder_stack: no memory for the scratch of {x.shape[0]} rows")
+    if status:
+        raise ValueError(
+            "decoder_stack: a plan whose shapes disagree, a kind out of range, or a kernel not compiled in"
+        )
     return out
 
 

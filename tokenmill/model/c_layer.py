@@ -8,12 +8,18 @@ one call, the same kernels in the same order as its modules call them, so the sa
 
 from __future__ import annotations
 
+import ctypes
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 import torch
 
 from tokenmill.kernels import ops
+from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.gguf_linear import GgufLinear
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+Rope = tuple[torch.Tensor, torch.Tensor]
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")  # the plan's fields, in the order layers pass their linears
 
@@ -23,6 +29,8 @@ class CLayer:
 
     # the tests turn it off to compare the two paths
     c_layer: ClassVar[bool] = True
+    c_kernel: ClassVar[str]  # decoder_layer.c's function for this layer: gemma3_layer or llama_layer
+    self_attn: Any  # the layer's attention module (its window)
     _plan: ops.DecoderLayerPlan | None = None  # None once planned: the C layer cannot run this layer
     _planned = False
 
@@ -38,6 +46,104 @@ class CLayer:
 
     def _build_plan(self) -> ops.DecoderLayerPlan | None:
         raise NotImplementedError
+
+    def c_plan_for_step(self, x: torch.Tensor, kv_cache: KVCache) -> ops.DecoderLayerPlan | None:
+        """The plan where this step runs this layer in C: bf16 activations and a bf16 cache; else None."""
+        plan = self.c_plan_for(x.dtype)
+        return plan if plan is not None and kv_cache[0].dtype == torch.bfloat16 else None
+
+    def c_call(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor | None:
+        """The layer as one C call where it can run so (its output), else None: the modules' turn."""
+        plan = self.c_plan_for_step(x, kv_cache)
+        if plan is None:
+            return None
+        keys = meta.key_lists(self.window)
+        cos, signed_sin = flat_rope(rope)
+        return ops.decoder_layer(self.c_kernel, plan, x, cos, signed_sin, kv_cache, meta.slot_mapping, *keys.astuple())
+
+    @property
+    def window(self) -> int | None:
+        """The sliding window of this layer's attention (None: it sees the whole context)."""
+        window: int | None = self.self_attn.window
+        return window
+
+
+def flat_rope(rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, signed sin) as the C layer takes them: (T, head_dim), contiguous (Rotary's rows already are)."""
+    return rope[0][:, 0].contiguous(), rope[1][:, 0].contiguous()
+
+
+class LayerStack:
+    """A step's layers in one C call (ops.decoder_stack) where each would run as its own C call of the same kernel and
+    they use at most STACK_KINDS (rope, window) pairs between them; the same kernels in the same order, so the same
+    bits. The per-layer array (plans and caches) is built once for a set of caches and kept while they are in use.
+    """
+
+    enabled: ClassVar[bool] = True  # the tests turn it off to compare with a call per layer
+
+    def __init__(self) -> None:
+        self._caches: Sequence[KVCache] | None = None  # the caches the array was built for (the runner's, kept)
+        self._kinds: list[tuple[int, int | None]] = []  # each layer's (rope index, window), as the array holds them
+        self._array: ctypes.Array[ops.StackLayer] | None = None
+        self._gemma = False
+
+    def forward(
+        self,
+        modules: Iterable[object],
+        x: torch.Tensor,
+        ropes: Sequence[Rope],
+        kv_caches: Sequence[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor | None:
+        """The last layer's output, or None where the layers cannot run as one call (the caller loops over them)."""
+        if not self.enabled or x.dtype != torch.bfloat16:
+            return None
+        modules = list(modules)
+        layers = [layer for layer in modules if isinstance(layer, CLayer)]
+        if not layers or len(layers) != len(modules):
+            return None
+        rope_index: dict[int, int] = {}
+        kinds = [(rope_index.setdefault(id(r), len(rope_index)), layer.window) for layer, r in zip(layers, ropes)]
+        if kv_caches is not self._caches or kinds != self._kinds:
+            self._array = self._build(layers, x, kv_caches, kinds)
+            self._caches, self._kinds = kv_caches, kinds
+        if self._array is None:
+            return None
+        distinct = list(dict.fromkeys(kinds))
+        step = ops.StackKinds()
+        keep = []  # the tensors `step` points into, alive through the call
+        for k, (r, window) in enumerate(distinct):
+            rope = next(rope for rope, kind in zip(ropes, kinds) if kind[0] == r)
+            cos, signed_sin = flat_rope(rope)
+            keys = meta.key_lists(window)
+            keep += [cos, signed_sin]
+            step.cos[k], step.signed_sin[k] = cos.data_ptr(), signed_sin.data_ptr()
+            step.slots[k], step.offset[k], step.count[k] = (t.data_ptr() for t in keys.astuple())
+        out = ops.decoder_stack(self._gemma, self._array, step, x, meta.slot_mapping)
+        del keep
+        return out
+
+    def _build(
+        self,
+        layers: list[CLayer],
+        x: torch.Tensor,
+        kv_caches: Sequence[KVCache],
+        kinds: list[tuple[int, int | None]],
+    ) -> ctypes.Array[ops.StackLayer] | None:
+        distinct = list(dict.fromkeys(kinds))
+        if len(distinct) > ops.STACK_KINDS:
+            return None
+        kernels = {layer.c_kernel for layer in layers}
+        maybe = [layer.c_plan_for_step(x, kv) for layer, kv in zip(layers, kv_caches)]
+        plans = [plan for plan in maybe if plan is not None]
+        if len(kernels) != 1 or len(plans) != len(layers):
+            return None
+        self._gemma = kernels == {"gemma3_layer"}
+        array = (ops.StackLayer * len(layers))()
+        for entry, plan, (k_cache, v_cache), kind in zip(array, plans, kv_caches, kinds):
+            entry.plan, entry.kind = ctypes.addressof(plan), distinct.index(kind)
+            entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+        return array
 
 
 def projections(attn: Any, mlp: Any) -> tuple[torch.nn.Module, ...]:

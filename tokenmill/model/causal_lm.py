@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.model.attention import AttentionMetadata
+from tokenmill.model.c_layer import LayerStack
 from tokenmill.model.layers import RMSNorm
 from tokenmill.model.linear import chunked_linear, float32_product
 from tokenmill.model.model_config import ModelConfig
@@ -49,6 +50,7 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
+        self.layer_stack = LayerStack()  # every layer in one C call where they all run in C
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: (T,) → (T, H), the residual stream's start."""
@@ -64,6 +66,9 @@ class CausalLM(nn.Module):
         """input_ids, positions: (T,) → final hidden states (T, hidden)."""
         x = self.embed(input_ids)  # (T, H)
         ropes = self.layer_ropes(positions, x.dtype)
+        stacked = self.layer_stack.forward(self.model.layers, x, ropes, kv_caches, meta)
+        if stacked is not None:
+            return self.model.norm(stacked)
         for layer, rope, kv_cache in zip(self.model.layers, ropes, kv_caches):
             x = layer(x, rope, kv_cache, meta)
         return self.model.norm(x)

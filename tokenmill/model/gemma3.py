@@ -71,6 +71,8 @@ class Gemma3DecoderLayer(CLayer, nn.Module):
     """bf16 on the file's GGUF blocks: the whole layer in one C call (kernels/decoder_layer.c's gemma3_layer) where
     the kernels are built (model/c_layer.py)."""
 
+    c_kernel = "gemma3_layer"
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.is_sliding = cfg.is_sliding(layer)
@@ -83,13 +85,9 @@ class Gemma3DecoderLayer(CLayer, nn.Module):
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset=1.0)
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        plan = self.c_plan_for(x.dtype)
-        if plan is not None and kv_cache[0].dtype == torch.bfloat16:
-            keys = meta.key_lists(self.self_attn.window)
-            cos, signed_sin = (r[:, 0].contiguous() for r in rope)
-            return ops.decoder_layer(
-                "gemma3_layer", plan, x, cos, signed_sin, kv_cache, meta.slot_mapping, *keys.astuple()
-            )
+        out = self.c_call(x, rope, kv_cache, meta)
+        if out is not None:
+            return out
         x = self.post_attention_layernorm.add_to(x, self.self_attn(self.input_layernorm(x), rope, kv_cache, meta))
         return self.post_feedforward_layernorm.add_to(x, self.mlp(self.pre_feedforward_layernorm(x)))
 

@@ -70,6 +70,8 @@ class LlamaDecoderLayer(CLayer, nn.Module):
     """bf16 on a file's GGUF blocks: the whole layer in one C call (kernels/decoder_layer.c's llama_layer) where the
     kernels are built and the layer has no q/k norms and no biases but q/k/v's (model/c_layer.py)."""
 
+    c_kernel = "llama_layer"
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer)
@@ -78,13 +80,9 @@ class LlamaDecoderLayer(CLayer, nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        plan = self.c_plan_for(x.dtype)
-        if plan is not None and kv_cache[0].dtype == torch.bfloat16:
-            keys = meta.key_lists(self.self_attn.window)
-            cos, signed_sin = (r[:, 0].contiguous() for r in rope)
-            return ops.decoder_layer(
-                "llama_layer", plan, x, cos, signed_sin, kv_cache, meta.slot_mapping, *keys.astuple()
-            )
+        out = self.c_call(x, rope, kv_cache, meta)
+        if out is not None:
+            return out
         x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
