@@ -615,26 +615,36 @@ ALWAYS_INLINE void float_step(int type, ivec sum, ivec half, factors f, const xb
     }
 }
 
+/* One row's exact int32 sums of a sub-block: two chains of dot products (each waits on the last), joined exactly
+ * (Q6_K: *half holds elements 0-15, *sum 16-31). The code vectors are vec[] and mag[] (decoded once for many rows) or,
+ * where vec is NULL, decoded from `codes` just before their products: for a single row, decoding all eight first is
+ * more vectors (with Q8_0's magnitudes) than AVX2 has registers, and the rest went to the stack and back. */
+ALWAYS_INLINE void one_row_sums(int type, const uint8_t *codes, const ivec *vec, const ivec *mag, const xblock *xb,
+                                ivec *sum, ivec *half) {
+    ivec chain[2][2] = {{code_offset(type) ? iv_set1(xb->halves[0]) : iv_zero(), iv_zero()}, {iv_zero(), iv_zero()}};
+    for (int g = 0; g < 8; g += 2) {
+        ivec *c = &chain[g / 4][g / 2 % 2];
+        ivec v0 = vec ? vec[g] : packed_vector(type, codes, g);
+        ivec v1 = vec ? vec[g + 1] : packed_vector(type, codes, g + 1);
+        if (type == Q8_0)
+            *c = iv_dot_signed(iv_dot_signed(*c, v0, vec ? mag[g] : iv_magnitude(v0), four(xb, g)), v1,
+                               vec ? mag[g + 1] : iv_magnitude(v1), four(xb, g + 1));
+        else
+            *c = iv_dot2(*c, v0, four(xb, g), v1, four(xb, g + 1));
+    }
+    ivec lo = iv_add(chain[0][0], chain[0][1]), hi = iv_add(chain[1][0], chain[1][1]);
+    *half = lo;
+    *sum = type == Q6_K ? hi : iv_add(lo, hi);
+}
+
 /* R rows' update by one sub-block: the exact int32 sums of the decoded vectors against each row's block (from the
  * offset quantize_rows left), then one float step per row (K-quants' minimums in `mins`). Q6_K's halves (elements
  * 0-15, 16-31) are summed apart. */
 ALWAYS_INLINE void rows_update(int type, const ivec *vec, const ivec *mag, factors f, const xblock *const *xb,
                                fvec *acc, fvec *mins, const int R) {
     ivec sum[ROW_STEP], half[ROW_STEP];
-    if (R == 1) { /* one row: two chains of dot products (each waits on the last), joined exactly */
-        ivec start = code_offset(type) ? iv_set1(xb[0]->halves[0]) : iv_zero();
-        ivec chain[2][2] = {{start, iv_zero()}, {iv_zero(), iv_zero()}};
-        for (int g = 0; g < 8; g += 2) {
-            ivec *c = &chain[g / 4][g / 2 % 2];
-            if (type == Q8_0)
-                *c = iv_dot_signed(iv_dot_signed(*c, vec[g], mag[g], four(xb[0], g)), vec[g + 1], mag[g + 1],
-                                   four(xb[0], g + 1));
-            else
-                *c = iv_dot2(*c, vec[g], four(xb[0], g), vec[g + 1], four(xb[0], g + 1));
-        }
-        ivec lo = iv_add(chain[0][0], chain[0][1]), hi = iv_add(chain[1][0], chain[1][1]);
-        half[0] = lo;
-        sum[0] = type == Q6_K ? hi : iv_add(lo, hi);
+    if (R == 1) {
+        one_row_sums(type, NULL, vec, mag, xb[0], &sum[0], &half[0]);
     } else {
         for (int r = 0; r < R; r++) {
             sum[r] = code_offset(type) ? iv_set1(xb[r]->halves[0]) : iv_zero();
@@ -655,10 +665,10 @@ ALWAYS_INLINE void rows_update(int type, const ivec *vec, const ivec *mag, facto
     for (int r = 0; r < R; r++) float_step(type, sum[r], half[r], f, xb[r], &acc[r], &mins[r]);
 }
 
-/* The group's 16 columns against one row (a single stream's decode step): each code vector decoded just before its
- * dot product instead of all eight first for the rows to share (which, with Q8_0's magnitudes, is more vectors than
- * AVX2 has registers: the rest went to the stack and back every sub-block). The same integer sums as rows_update's
- * one-row case (two chains per half, joined exactly) and the same float step: the same bits. */
+/* The group's 16 columns against one row (a single stream's decode step): one_row_sums decoding each vector as its
+ * products come, the accumulators in registers. A loop of its own rather than a branch in packed_group's: there the
+ * accumulators live in memory beside the rows' and Q6_K's one-row calls ran at half the speed (kernel_speed.py). The
+ * same sums and float step as a row among many: the same bits. */
 ALWAYS_INLINE void packed_group_row(int type, const uint8_t *w, const xblock *x, int64_t nb, fvec *res) {
     const int S = is_k(type) ? 8 : 1;
     const int64_t unit = packed_unit_bytes(type);
@@ -671,21 +681,10 @@ ALWAYS_INLINE void packed_group_row(int type, const uint8_t *w, const xblock *x,
         for (int j = 0; j < S; j++) {
             factors f = sub_block_factors(type, blk, d, j);
             prefetch_through(&ahead, codes + (j + 1) * code_bytes(type));
-            const uint8_t *c = codes + j * code_bytes(type);
             const xblock *xb = x + u * S + j;
-            ivec chain[2][2] = {{code_offset(type) ? iv_set1(xb->halves[0]) : iv_zero(), iv_zero()},
-                                {iv_zero(), iv_zero()}};
-            for (int g = 0; g < 8; g += 2) {
-                ivec *at = &chain[g / 4][g / 2 % 2];
-                ivec v0 = packed_vector(type, c, g), v1 = packed_vector(type, c, g + 1);
-                if (type == Q8_0)
-                    *at = iv_dot_signed(iv_dot_signed(*at, v0, iv_magnitude(v0), four(xb, g)), v1, iv_magnitude(v1),
-                                        four(xb, g + 1));
-                else
-                    *at = iv_dot2(*at, v0, four(xb, g), v1, four(xb, g + 1));
-            }
-            ivec lo = iv_add(chain[0][0], chain[0][1]), hi = iv_add(chain[1][0], chain[1][1]);
-            float_step(type, type == Q6_K ? hi : iv_add(lo, hi), lo, f, xb, &acc, &mins);
+            ivec sum, half;
+            one_row_sums(type, codes + j * code_bytes(type), NULL, NULL, xb, &sum, &half);
+            float_step(type, sum, half, f, xb, &acc, &mins);
         }
     }
     res[0] = fv_sub(acc, mins);
