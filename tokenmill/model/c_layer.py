@@ -83,7 +83,8 @@ class LayerStack:
 
     def __init__(self) -> None:
         self._caches: Sequence[KVCache] | None = None  # the caches the array was built for (the runner's, kept)
-        self._kinds: list[tuple[int, int | None]] = []  # each layer's (rope index, window), as the array holds them
+        self._kinds: list[tuple[int, int | None]] = []  # each layer's (its rope's first layer, window)
+        self._distinct: list[tuple[int, int | None]] = []  # those pairs in order of first use: kind k is the k-th
         self._array: ctypes.Array[ops.StackLayer] | None = None
         self._gemma = False
 
@@ -102,26 +103,22 @@ class LayerStack:
         layers = [layer for layer in modules if isinstance(layer, CLayer)]
         if not layers or len(layers) != len(modules):
             return None
-        rope_index: dict[int, int] = {}
-        kinds = [(rope_index.setdefault(id(r), len(rope_index)), layer.window) for layer, r in zip(layers, ropes)]
+        first: dict[int, int] = {}  # a rope's first layer, which stands for it (layers of one kind share one rope)
+        kinds = [(first.setdefault(id(r), i), layer.window) for i, (layer, r) in enumerate(zip(layers, ropes))]
         if kv_caches is not self._caches or kinds != self._kinds:
             self._array = self._build(layers, x, kv_caches, kinds)
             self._caches, self._kinds = kv_caches, kinds
         if self._array is None:
             return None
-        distinct = list(dict.fromkeys(kinds))
         step = ops.StackKinds()
-        keep = []  # the tensors `step` points into, alive through the call
-        for k, (r, window) in enumerate(distinct):
-            rope = next(rope for rope, kind in zip(ropes, kinds) if kind[0] == r)
-            cos, signed_sin = flat_rope(rope)
+        keep = []  # the tensors `step` points into, alive through the call (the key lists stay in `meta`)
+        for k, (at, window) in enumerate(self._distinct):
+            cos, signed_sin = flat_rope(ropes[at])
             keys = meta.key_lists(window)
             keep += [cos, signed_sin]
             step.cos[k], step.signed_sin[k] = cos.data_ptr(), signed_sin.data_ptr()
             step.slots[k], step.offset[k], step.count[k] = (t.data_ptr() for t in keys.astuple())
-        out = ops.decoder_stack(self._gemma, self._array, step, x, meta.slot_mapping)
-        del keep
-        return out
+        return ops.decoder_stack(self._gemma, self._array, step, x, meta.slot_mapping)
 
     def _build(
         self,
@@ -130,7 +127,7 @@ class LayerStack:
         kv_caches: Sequence[KVCache],
         kinds: list[tuple[int, int | None]],
     ) -> ctypes.Array[ops.StackLayer] | None:
-        distinct = list(dict.fromkeys(kinds))
+        distinct = self._distinct = list(dict.fromkeys(kinds))
         if len(distinct) > ops.STACK_KINDS:
             return None
         kernels = {layer.c_kernel for layer in layers}
