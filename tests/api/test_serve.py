@@ -137,6 +137,19 @@ def test_past_the_grace_period_what_still_runs_ends_with_503_and_the_process_exi
     assert "grace period over" in server.log.read_text()
 
 
+def test_ctrl_c_stops_the_server_with_exit_0_and_no_traceback(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """SIGINT (Ctrl-C in a terminal) stops the server as `uvicorn app:app` does: shut down, exit 0, no traceback.
+    Why a test: uvicorn re-raises the signal once it has stopped, which `uvicorn.run` swallows and a bare
+    `Server.run()` does not."""
+    with serve(tiny_model_dir, tmp_path, "--log-level", "info") as server:
+        server.process.send_signal(signal.SIGINT)
+        code = server.wait_exit()
+    log = server.log.read_text()
+    assert code == 0, log
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log
+    assert "Application shutdown complete" in log  # it stopped the way it stops, not killed
+
+
 def test_serve_freezes_what_loading_left_before_the_server_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     frozen_when_run: list[int] = []
     monkeypatch.setattr(serve_module.DrainingServer, "run", lambda self: frozen_when_run.append(gc.get_freeze_count()))

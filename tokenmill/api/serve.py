@@ -3,7 +3,7 @@
 On SIGTERM the listener stays open but new completions (and /health) answer 503 with `Retry-After`, so a load balancer
 moves traffic elsewhere; completions already admitted run on for up to `shutdown_grace_s`. Then the engine stops, so
 whatever still runs ends with a 503 (an error frame then `[DONE]` when streaming), uvicorn stops, and the process exits
-0. A second SIGTERM stops at once; SIGINT behaves as uvicorn's always does.
+0. A second SIGTERM stops at once; SIGINT (Ctrl-C) behaves as `uvicorn app:app`'s does: it shuts down and exits 0.
 
 Logging is the process's (api/logs.py, set up by the command line): uvicorn gets no configuration of its own, so its
 lines come out in the same format, and its access log is off, replaced by ours (api/access_log.py). Once the server
@@ -102,5 +102,8 @@ def serve(app: FastAPI, config: Config) -> int:
         log_banner(url, app.state.engines.values(), with_key=bool(config.api_key))
 
     freeze_loaded_objects()  # the models are loaded and the app built: what is alive now stays
-    DrainingServer(uv_config, admission, config.shutdown_grace_s, lambda: stop_engines(app), banner).run()
+    try:
+        DrainingServer(uv_config, admission, config.shutdown_grace_s, lambda: stop_engines(app), banner).run()
+    except KeyboardInterrupt:  # uvicorn re-raises a SIGINT once it has shut down; `uvicorn.run` swallows it too
+        pass
     return 0
