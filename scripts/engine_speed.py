@@ -2,6 +2,7 @@
 
 python scripts/engine_speed.py --dtype bfloat16 --batch 1 16 --tokens 64
 python scripts/engine_speed.py --batch 16 --bench-prompts --busy 0.3 1.5   # beside a process busy 0.3 ms in 1.8
+python scripts/engine_speed.py --batch 1 --context 2000    # decoding after a 2,000-token prompt
 
 Besides the aggregate it prints where a step goes, as medians over the decode steps: the model's layers (the
 runner's forward), the LM head (the runner's logits) and the rest (sampling, bookkeeping), and the first step's time
@@ -36,6 +37,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--bench-prompts", action="store_true", help="the bench's prompts, one per row")
+    parser.add_argument("--context", type=int, help="each prompt's tokens repeated to this many (a long context)")
     parser.add_argument("--no-amx", action="store_true", help="gguf_matmul without its AMX path (the same bits)")
     parser.add_argument("--busy", type=float, nargs=2, metavar=("ON_MS", "OFF_MS"), help="a busy process beside")
     args = parser.parse_args()
@@ -47,6 +49,8 @@ def main() -> None:
     core, tok = engine.core, engine.tokenizer
     texts = PROMPTS if args.bench_prompts else ("The capital of France is",)
     prompts = [tok.encode(text) for text in texts]
+    if args.context:
+        prompts = [(p * (args.context // len(p) + 1))[: args.context] for p in prompts]
     ban_eos = {i: -100.0 for i in tok.eos_ids}
     phases = Phases(core)
     with busy_process(*args.busy) if args.busy else contextlib.nullcontext():
