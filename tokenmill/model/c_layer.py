@@ -76,13 +76,17 @@ def flat_rope(rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
 class LayerStack:
     """A step's layers in one C call (ops.decoder_stack) where each would run as its own C call of the same kernel and
     they use at most STACK_KINDS (rope, window) pairs between them; the same kernels in the same order, so the same
-    bits. The per-layer array (plans and caches) is built once for a set of caches and kept while they are in use.
+    bits. The per-layer array (plans and caches) is built once for a set of caches and kept while they are in use;
+    which modules are C layers, and their windows, are read then too (fixed once a model is built), so that a step
+    only matches its ropes to the kinds.
     """
 
     enabled: ClassVar[bool] = True  # the tests turn it off to compare with a call per layer
 
     def __init__(self) -> None:
         self._caches: Sequence[KVCache] | None = None  # the caches the array was built for (the runner's, kept)
+        self._layers: list[CLayer] = []  # the modules, where every one is a C layer (else empty: no stack)
+        self._windows: list[int | None] = []  # their attention's windows
         self._kinds: list[tuple[int, int | None]] = []  # each layer's (its rope's first layer, window)
         self._distinct: list[tuple[int, int | None]] = []  # those pairs in order of first use: kind k is the k-th
         self._array: ctypes.Array[ops.StackLayer] | None = None
@@ -99,15 +103,19 @@ class LayerStack:
         """The last layer's output, or None where the layers cannot run as one call (the caller loops over them)."""
         if not self.enabled or x.dtype != torch.bfloat16:
             return None
-        modules = list(modules)
-        layers = [layer for layer in modules if isinstance(layer, CLayer)]
-        if not layers or len(layers) != len(modules):
+        if kv_caches is not self._caches:
+            modules = list(modules)
+            layers = [layer for layer in modules if isinstance(layer, CLayer)]
+            self._layers = layers if len(layers) == len(modules) else []
+            self._windows = [layer.window for layer in self._layers]
+            self._caches, self._kinds = kv_caches, []
+        if not self._layers:
             return None
         first: dict[int, int] = {}  # a rope's first layer, which stands for it (layers of one kind share one rope)
-        kinds = [(first.setdefault(id(r), i), layer.window) for i, (layer, r) in enumerate(zip(layers, ropes))]
-        if kv_caches is not self._caches or kinds != self._kinds:
-            self._array = self._build(layers, x, kv_caches, kinds)
-            self._caches, self._kinds = kv_caches, kinds
+        kinds = [(first.setdefault(id(r), i), window) for i, (r, window) in enumerate(zip(ropes, self._windows))]
+        if kinds != self._kinds:
+            self._array = self._build(self._layers, x, kv_caches, kinds)
+            self._kinds = kinds
         if self._array is None:
             return None
         step = ops.StackKinds()
