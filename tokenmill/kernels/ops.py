@@ -454,11 +454,18 @@ def decoder_layer(
         count.data_ptr(),
         torch.get_num_threads(),
     )
-    if status == -2:
-        raise MemoryError(f"{kernel}: no memory for the scratch of {x.shape[0]} rows")
-    if status:
-        raise ValueError(f"{kernel}: a plan whose shapes disagree, or a kernel that is not compiled in")
+    _raise_for_layer_status(
+        kernel, status, x.shape[0], "a plan whose shapes disagree, or a kernel that is not compiled in"
+    )
     return out
+
+
+def _raise_for_layer_status(name: str, status: int, rows: int, causes: str) -> None:
+    """decoder_layer.c's statuses: 0 done, -2 no memory for the step's scratch, anything else one of `causes`."""
+    if status == -2:
+        raise MemoryError(f"{name}: no memory for the scratch of {rows} rows")
+    if status:
+        raise ValueError(f"{name}: {causes}")
 
 
 class StackLayer(ctypes.Structure):
@@ -501,12 +508,8 @@ def decoder_stack(
         slot_mapping.data_ptr(),
         torch.get_num_threads(),
     )
-    if status == -2:
-        raise MemoryError(f"decoder_stack: no memory for the scratch of {x.shape[0]} rows")
-    if status:
-        raise ValueError(
-            "decoder_stack: a plan whose shapes disagree, a kind out of range, or a kernel not compiled in"
-        )
+    causes = "a plan whose shapes disagree, a kind out of range, or a kernel not compiled in"
+    _raise_for_layer_status("decoder_stack", status, x.shape[0], causes)
     return out
 
 
