@@ -20,7 +20,6 @@ from torch import nn
 
 from tokenmill.kernels import ops
 from tokenmill.model import gguf_quant
-from tokenmill.model.loading.weight_arena import WeightArena
 
 
 @dataclass(frozen=True)
@@ -47,15 +46,8 @@ class Regrouping:
     (ops.gguf_repack_all): a loader that builds the tokenizer on another thread meanwhile is not held up between
     tensors by that thread's long stretches with the GIL. Until then the modules' buffers are unwritten."""
 
-    def __init__(self, arena: WeightArena | None = None) -> None:
+    def __init__(self) -> None:
         self._jobs: list[ops.RepackJob] = []
-        self._arena = arena
-
-    def empty(self, ggml_type: int, n: int, k: int) -> torch.Tensor:
-        """An unwritten buffer for N rows of K weights of `ggml_type` regrouped, from the arena where there is one."""
-        if self._arena is None:
-            return ops.gguf_packed_empty(ggml_type, n, k)
-        return self._arena.empty(ops.gguf_packed_bytes(ggml_type, n, k))
 
     def add(self, part: GgufWeight, out: torch.Tensor, at: int) -> None:
         # a file's pages, read once to regroup, are dropped as each is done: the page cache keeps them, RSS need not
@@ -91,7 +83,7 @@ class GgufLinear(nn.Module):
         own = regrouping is None
         regrouping = regrouping or Regrouping()
         for i, run in enumerate(runs):  # a run of parts of one type regrouped as one, each into its own groups
-            out = regrouping.empty(self.types[i], self.rows[i], self.k)
+            out = ops.gguf_packed_empty(self.types[i], self.rows[i], self.k)
             at = 0
             for part in run:
                 regrouping.add(part, out, at)
@@ -178,7 +170,7 @@ def adopt_gguf(
     """
     left = dict(quantized)
     entries: dict[str, torch.Tensor] = {}
-    regrouping = Regrouping(WeightArena())  # every linear's blocks regrouped at the end, in one C call
+    regrouping = Regrouping()  # every linear's blocks regrouped at the end, in one C call
 
     def place(name: str, module: nn.Module) -> None:
         parent, _, attr = name.rpartition(".")

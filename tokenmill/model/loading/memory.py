@@ -29,21 +29,3 @@ def unmap_file_pages(begin: int, end: int) -> None:
         ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
     except (OSError, AttributeError):
         pass
-
-
-MADV_HUGEPAGE = 14  # Linux's value (mmap.MADV_HUGEPAGE)
-HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
-
-
-def advise_huge_pages(begin: int, end: int) -> bool:
-    """Ask Linux to back the whole 2 MB pages inside [begin, end) with transparent huge pages (madvise HUGEPAGE),
-    before anything is written there. Returns whether the advice was taken: off Linux, or where THP is "never", it
-    is not, and the memory stays in 4 KB pages (the same contents, only more TLB misses)."""
-    start = -(-begin // HUGE_PAGE) * HUGE_PAGE
-    stop = end // HUGE_PAGE * HUGE_PAGE
-    if stop <= start:
-        return False
-    try:
-        return ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start), MADV_HUGEPAGE) == 0
-    except (OSError, AttributeError):
-        return False
