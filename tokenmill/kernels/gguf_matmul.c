@@ -409,23 +409,18 @@ static inline ivec iv_with_high_bits(ivec u, ivec h, int at, char mask) {
 }
 /* Q8_0's signed codes made unsigned (+128; subtracted back through the activation sums) */
 static inline ivec iv_signed_codes(ivec v) { return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80)); }
-/* acc += u's unsigned bytes . the four signed bytes at x4, in each lane. The four bytes go as the instruction's own
- * broadcast operand (m32bcst): GCC's intrinsic with _mm512_set1_epi32 emits a separate vpbroadcastd before each
- * vpdpbusd, an extra instruction for every product of the many-row loops. The same integer sums. */
-static inline ivec iv_dot(ivec acc, ivec u, const int8_t *x4) {
-    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(const int32_t *)x4));
-    return acc;
-}
+static inline ivec iv_dot(ivec acc, ivec u, int32_t x4) { return _mm512_dpbusd_epi32(acc, u, _mm512_set1_epi32(x4)); }
 static inline ivec iv_magnitude(ivec v) { return v; } /* unused: the codes went unsigned */
-static inline ivec iv_dot_signed(ivec acc, ivec u, ivec magnitude, const int8_t *x4) {
+static inline ivec iv_dot_signed(ivec acc, ivec u, ivec magnitude, int32_t x4) {
     (void)magnitude;
     return iv_dot(acc, u, x4);
 }
 /* two steps of unsigned codes at most 63 (every type but Q8_0) */
-static inline ivec iv_dot2(ivec acc, ivec u0, const int8_t *x0, ivec u1, const int8_t *x1) {
+static inline ivec iv_dot2(ivec acc, ivec u0, int32_t x0, ivec u1, int32_t x1) {
     return iv_dot(iv_dot(acc, u0, x0), u1, x1);
 }
 #define Q8_0_OFFSET 128
+static inline ivec iv_sub_set1(ivec v, int32_t s) { return _mm512_sub_epi32(v, _mm512_set1_epi32(s)); }
 static inline ivec iv_set1(int32_t s) { return _mm512_set1_epi32(s); }
 static inline ivec iv_add(ivec a, ivec b) { return _mm512_add_epi32(a, b); }
 static inline ivec iv_i8_lanes(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
@@ -479,14 +474,8 @@ static inline ivec iv_with_high_bits(ivec u, ivec h, int at, char mask) {
     return IV2(with_high_bits(u.a, h.a, at, mask), with_high_bits(u.b, h.b, at, mask));
 }
 static inline ivec iv_signed_codes(ivec v) { return v; }
-/* the four signed bytes at p in every 32-bit lane */
-static inline __m256i set1_four(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
-}
-static inline ivec iv_dot(ivec acc, ivec u, const int8_t *x4) {
-    __m256i x = set1_four(x4);
+static inline ivec iv_dot(ivec acc, ivec u, int32_t x4) {
+    __m256i x = _mm256_set1_epi32(x4);
     return IV2(_mm256_add_epi32(acc.a, dot_unsigned(u.a, x)), _mm256_add_epi32(acc.b, dot_unsigned(u.b, x)));
 }
 /* two steps of unsigned codes at most 63 (every type but Q8_0): their int16 pair sums, each at most 2 * 63 * 127,
@@ -495,20 +484,24 @@ static inline __m256i dot2_unsigned(__m256i u0, __m256i x0, __m256i u1, __m256i 
     __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u0, x0), _mm256_maddubs_epi16(u1, x1));
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
-static inline ivec iv_dot2(ivec acc, ivec u0, const int8_t *x0, ivec u1, const int8_t *x1) {
-    __m256i a = set1_four(x0), b = set1_four(x1);
+static inline ivec iv_dot2(ivec acc, ivec u0, int32_t x0, ivec u1, int32_t x1) {
+    __m256i a = _mm256_set1_epi32(x0), b = _mm256_set1_epi32(x1);
     return IV2(_mm256_add_epi32(acc.a, dot2_unsigned(u0.a, a, u1.a, b)),
                _mm256_add_epi32(acc.b, dot2_unsigned(u0.b, a, u1.b, b)));
 }
 /* signed codes w (Q8_0): |w| against x with w's sign (exact for every w, -128 included), |w| taken once per vector
  * for all the rows */
 static inline ivec iv_magnitude(ivec w) { return IV2(_mm256_abs_epi8(w.a), _mm256_abs_epi8(w.b)); }
-static inline ivec iv_dot_signed(ivec acc, ivec w, ivec magnitude, const int8_t *x4) {
-    __m256i x = set1_four(x4);
+static inline ivec iv_dot_signed(ivec acc, ivec w, ivec magnitude, int32_t x4) {
+    __m256i x = _mm256_set1_epi32(x4);
     return IV2(_mm256_add_epi32(acc.a, dot_unsigned(magnitude.a, _mm256_sign_epi8(x, w.a))),
                _mm256_add_epi32(acc.b, dot_unsigned(magnitude.b, _mm256_sign_epi8(x, w.b))));
 }
 #define Q8_0_OFFSET 0
+static inline ivec iv_sub_set1(ivec v, int32_t s) {
+    __m256i x = _mm256_set1_epi32(s);
+    return IV2(_mm256_sub_epi32(v.a, x), _mm256_sub_epi32(v.b, x));
+}
 static inline ivec iv_add(ivec x, ivec y) { return IV2(_mm256_add_epi32(x.a, y.a), _mm256_add_epi32(x.b, y.b)); }
 static inline ivec iv_set1(int32_t s) { return IV2(_mm256_set1_epi32(s), _mm256_set1_epi32(s)); }
 static inline ivec iv_i8_lanes(const uint8_t *p) {
@@ -559,8 +552,11 @@ ALWAYS_INLINE ivec packed_vector(int type, const uint8_t *codes, int g) {
     return u;
 }
 
-/* elements 4g..4g+3 of an activation block's codes */
-static inline const int8_t *four(const xblock *xb, int g) { return xb->q + 4 * g; }
+static inline int32_t four(const xblock *xb, int g) {
+    int32_t v;
+    memcpy(&v, xb->q + 4 * g, 4);
+    return v;
+}
 
 /* What a sub-block of one group needs besides its codes: the float factors per column, shared by the rows */
 typedef struct {
@@ -609,26 +605,23 @@ ALWAYS_INLINE void float_step(int type, ivec sum, ivec half, factors f, const xb
     if (type == Q4_K || type == Q5_K) {
         *acc = fv_fma(fv_cvt(sum), fv_mul(f.scale, xd), *acc);
         *mins = fv_fma(f.min, fv_set1(block_dsum(xb)), *mins);
-    } else if (type == Q6_K) { /* the halves' sums already less their codes' offset (q6_start) */
-        *acc = fv_fma(fv_cvt(half), fv_mul(f.scale, xd), *acc);
-        *acc = fv_fma(fv_cvt(sum), fv_mul(f.scale_hi, xd), *acc);
+    } else if (type == Q6_K) {
+        ivec lo = iv_sub_set1(half, 32 * xb->halves[0]);
+        ivec hi = iv_sub_set1(sum, 32 * xb->halves[1]);
+        *acc = fv_fma(fv_cvt(lo), fv_mul(f.scale, xd), *acc);
+        *acc = fv_fma(fv_cvt(hi), fv_mul(f.scale_hi, xd), *acc);
     } else {
         *acc = fv_fma(fv_cvt(sum), fv_mul(f.scale, xd), *acc);
     }
 }
 
-/* Where Q6_K's sums of half h (elements 16h..16h+15) start: -32 times the activation half's sum, so that they end as
- * the sums of (code - 32) * x, the codes' offset taken off without a subtraction per row and sub-block */
-static inline ivec q6_start(const xblock *xb, int h) { return iv_set1(-32 * xb->halves[h]); }
-
 /* One row's exact int32 sums of a sub-block: two chains of dot products (each waits on the last), joined exactly
- * (Q6_K: *half holds elements 0-15, *sum 16-31, each less its codes' offset). The code vectors are vec[] and mag[] (decoded once for many rows) or,
+ * (Q6_K: *half holds elements 0-15, *sum 16-31). The code vectors are vec[] and mag[] (decoded once for many rows) or,
  * where vec is NULL, decoded from `codes` just before their products: for a single row, decoding all eight first is
  * more vectors (with Q8_0's magnitudes) than AVX2 has registers, and the rest went to the stack and back. */
 ALWAYS_INLINE void one_row_sums(int type, const uint8_t *codes, const ivec *vec, const ivec *mag, const xblock *xb,
                                 ivec *sum, ivec *half) {
     ivec chain[2][2] = {{code_offset(type) ? iv_set1(xb->halves[0]) : iv_zero(), iv_zero()}, {iv_zero(), iv_zero()}};
-    if (type == Q6_K) chain[0][0] = q6_start(xb, 0), chain[1][0] = q6_start(xb, 1);
     for (int g = 0; g < 8; g += 2) {
         ivec *c = &chain[g / 4][g / 2 % 2];
         ivec v0 = vec ? vec[g] : packed_vector(type, codes, g);
@@ -654,14 +647,14 @@ ALWAYS_INLINE void rows_update(int type, const ivec *vec, const ivec *mag, facto
         one_row_sums(type, NULL, vec, mag, xb[0], &sum[0], &half[0]);
     } else {
         for (int r = 0; r < R; r++) {
-            sum[r] = type == Q6_K ? q6_start(xb[r], 0) : code_offset(type) ? iv_set1(xb[r]->halves[0]) : iv_zero();
+            sum[r] = code_offset(type) ? iv_set1(xb[r]->halves[0]) : iv_zero();
             half[r] = iv_zero();
         }
         for (int g = 0; g < 8; g += 2) {
             if (type == Q6_K && g == 4)
                 for (int r = 0; r < R; r++) {
                     half[r] = sum[r];
-                    sum[r] = q6_start(xb[r], 1);
+                    sum[r] = iv_zero();
                 }
             for (int r = 0; r < R; r++)
                 sum[r] = type == Q8_0 ? iv_dot_signed(iv_dot_signed(sum[r], vec[g], mag[g], four(xb[r], g)), vec[g + 1],
