@@ -62,6 +62,21 @@ def test_a_rows_result_does_not_depend_on_the_batch(t: T) -> None:
         assert torch.equal(kernel(x[:rows], raw, t, k).nan_to_num(), full[:rows].nan_to_num())
 
 
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_rows_past_a_chunk_of_64_do_not_depend_on_the_batch(t: T) -> None:
+    """The kernel takes the rows 64 at a time; a last pass of one row among many (65, 129 rows) must read that row's
+    own blocks. It once read the first row's, as a batch of one would: a step of exactly 65 tokens gave its last row
+    (a prompt's last token, the one whose logits are sampled) another token's numbers."""
+    raw, k = weights(t)
+    x = activations(130, k)
+    alone = {i: kernel(x[i : i + 1], raw, t, k)[0] for i in (0, 1, 63, 64, 65, 127, 128, 129)}
+    for m in (63, 64, 65, 66, 127, 128, 129, 130):
+        full = kernel(x[:m], raw, t, k)
+        for i, row in alone.items():
+            if i < m:
+                assert torch.equal(full[i], row), (m, i)
+
+
 @pytest.mark.parametrize("t", [T.Q8_0, T.Q5_0, T.Q6_K], ids=lambda t: t.name)
 def test_every_column_is_computed_once_whatever_the_thread_count(t: T) -> None:
     """The threads claim groups of 16 columns from even shares and take over what is left of each other's: with more

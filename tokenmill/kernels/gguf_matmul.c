@@ -665,11 +665,12 @@ ALWAYS_INLINE void rows_update(int type, const ivec *vec, const ivec *mag, facto
     for (int r = 0; r < R; r++) float_step(type, sum[r], half[r], f, xb[r], &acc[r], &mins[r]);
 }
 
-/* The group's 16 columns against one row (a single stream's decode step): one_row_sums decoding each vector as its
- * products come, the accumulators in registers. A loop of its own rather than a branch in packed_group's: there the
- * accumulators live in memory beside the rows' and Q6_K's one-row calls ran at half the speed (kernel_speed.py). The
- * same sums and float step as a row among many: the same bits. */
-ALWAYS_INLINE void packed_group_row(int type, const uint8_t *w, const xblock *x, int64_t nb, fvec *res) {
+/* The group's 16 columns against one row (a single stream's decode step, or the last row of a batch of 64k + 1):
+ * one_row_sums decoding each vector as its products come, the accumulators in registers. A loop of its own rather
+ * than a branch in packed_group's: there the accumulators live in memory beside the rows' and Q6_K's one-row calls ran
+ * at half the speed (kernel_speed.py). The same sums and float step as a row among many: the same bits. Block b of
+ * the row is at x + b * m, m the batch's rows (its blocks lie among the other rows'). */
+ALWAYS_INLINE void packed_group_row(int type, const uint8_t *w, const xblock *x, int64_t nb, int64_t m, fvec *res) {
     const int S = is_k(type) ? 8 : 1;
     const int64_t unit = packed_unit_bytes(type);
     fvec acc = fv_zero(), mins = fv_zero();
@@ -681,7 +682,7 @@ ALWAYS_INLINE void packed_group_row(int type, const uint8_t *w, const xblock *x,
         for (int j = 0; j < S; j++) {
             factors f = sub_block_factors(type, blk, d, j);
             prefetch_through(&ahead, codes + (j + 1) * code_bytes(type));
-            const xblock *xb = x + u * S + j;
+            const xblock *xb = x + (u * S + j) * m;
             ivec sum, half;
             one_row_sums(type, codes + j * code_bytes(type), NULL, NULL, xb, &sum, &half);
             float_step(type, sum, half, f, xb, &acc, &mins);
@@ -696,7 +697,7 @@ ALWAYS_INLINE void packed_group_row(int type, const uint8_t *w, const xblock *x,
 ALWAYS_INLINE void packed_group(int type, const uint8_t *w, const xblock *x, int64_t nb, int64_t m, int64_t rows,
                                 fvec *res) {
     if (rows == 1) {
-        packed_group_row(type, w, x, nb, res);
+        packed_group_row(type, w, x, nb, m, res);
         return;
     }
     const int S = is_k(type) ? 8 : 1; /* sub-blocks per unit */
