@@ -140,3 +140,36 @@ def test_every_llama_family_layer_takes_the_c_path_and_computes_what_the_modules
 def test_qwen3s_head_norms_keep_the_modules(tmp_path: Path) -> None:
     model = native_model(_family_gguf(tmp_path, "qwen3"), tmp_path / "cache")
     assert all(isinstance(layer, LlamaDecoderLayer) and layer.c_plan() is None for layer in model.model.layers)
+
+
+@pytest.mark.parametrize("rows", [65, 129])
+def test_a_prompts_last_token_in_a_step_of_64k_plus_1_rows_gets_its_own_numbers(rows: int, tmp_path: Path) -> None:
+    """The GGUF matmul takes a step's rows 64 at a time. A step of 64k + 1 rows ends in a pass of one row: the step's
+    last row, a prompt's last token, whose logits are sampled. That pass once read the first row's activations, and
+    the seeded request of tests/e2e/test_seeds_under_load.py drew another first token whenever the server's batch
+    happened to hold 65 rows. Here: four streams decoding, a long prompt and the target prompt in one step."""
+    model = native_model(write_tiny_gguf(tmp_path / "mixed.gguf", quantize=MIXED), tmp_path / "cache")
+    target = [2, 5, 9, 14, 3, 7]
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True)
+
+    def run(with_load: bool) -> tuple[list[object], list[int]]:
+        config = Config(dtype="bfloat16", block_size=4, num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=256)
+        core = build_engine_core(model, tiny_tokenizer(), config)  # type: ignore[arg-type]
+        step_rows: list[int] = []
+        core.step_observers.append(lambda report: step_rows.append(report.num_tokens))
+        if with_load:
+            for i in range(4):
+                core.add_request(f"d{i}", [2, 20 + i], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+            core.step()  # their prompts; from the next step on each decodes one row
+            long_prompt = [2, *(30 + i % 200 for i in range(rows - 4 - len(target) - 1))]
+            core.add_request("long", long_prompt, SamplingParams(max_tokens=1, temperature=0.0))
+        core.add_request("t", target, params)
+        got = [
+            (d.token_ids, [(t.logprob, t.top) for t in d.logprobs or []]) for o in run_all(core)["t"] for d in o.deltas
+        ]
+        return got, step_rows
+
+    alone, _ = run(with_load=False)
+    loaded, step_rows = run(with_load=True)
+    assert step_rows[1] == rows  # the decodes, the long prompt and the target's prompt, its last token the last row
+    assert loaded == alone
