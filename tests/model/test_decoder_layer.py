@@ -152,7 +152,7 @@ def test_a_prompts_last_token_in_a_step_of_64k_plus_1_rows_gets_its_own_numbers(
     target = [2, 5, 9, 14, 3, 7]
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True)
 
-    def run(with_load: bool) -> tuple[list[object], list[int]]:
+    def run(with_load: bool) -> tuple[object, list[int]]:
         config = Config(dtype="bfloat16", block_size=4, num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=256)
         core = build_engine_core(model, tiny_tokenizer(), config)  # type: ignore[arg-type]
         step_rows: list[int] = []
