@@ -409,14 +409,20 @@ static inline ivec iv_with_high_bits(ivec u, ivec h, int at, char mask) {
 }
 /* Q8_0's signed codes made unsigned (+128; subtracted back through the activation sums) */
 static inline ivec iv_signed_codes(ivec v) { return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80)); }
-static inline ivec iv_dot(ivec acc, ivec u, int32_t x4) { return _mm512_dpbusd_epi32(acc, u, _mm512_set1_epi32(x4)); }
+/* acc += u's unsigned bytes . the four signed bytes at x4, in each lane. The four bytes go as the instruction's own
+ * broadcast operand (m32bcst): GCC's intrinsic with _mm512_set1_epi32 emits a separate vpbroadcastd before each
+ * vpdpbusd, an extra instruction for every product of the many-row loops. The same integer sums. */
+static inline ivec iv_dot(ivec acc, ivec u, const int8_t *x4) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(const int32_t *)x4));
+    return acc;
+}
 static inline ivec iv_magnitude(ivec v) { return v; } /* unused: the codes went unsigned */
-static inline ivec iv_dot_signed(ivec acc, ivec u, ivec magnitude, int32_t x4) {
+static inline ivec iv_dot_signed(ivec acc, ivec u, ivec magnitude, const int8_t *x4) {
     (void)magnitude;
     return iv_dot(acc, u, x4);
 }
 /* two steps of unsigned codes at most 63 (every type but Q8_0) */
-static inline ivec iv_dot2(ivec acc, ivec u0, int32_t x0, ivec u1, int32_t x1) {
+static inline ivec iv_dot2(ivec acc, ivec u0, const int8_t *x0, ivec u1, const int8_t *x1) {
     return iv_dot(iv_dot(acc, u0, x0), u1, x1);
 }
 #define Q8_0_OFFSET 128
@@ -474,8 +480,14 @@ static inline ivec iv_with_high_bits(ivec u, ivec h, int at, char mask) {
     return IV2(with_high_bits(u.a, h.a, at, mask), with_high_bits(u.b, h.b, at, mask));
 }
 static inline ivec iv_signed_codes(ivec v) { return v; }
-static inline ivec iv_dot(ivec acc, ivec u, int32_t x4) {
-    __m256i x = _mm256_set1_epi32(x4);
+/* the four signed bytes at p in every 32-bit lane */
+static inline __m256i set1_four(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+static inline ivec iv_dot(ivec acc, ivec u, const int8_t *x4) {
+    __m256i x = set1_four(x4);
     return IV2(_mm256_add_epi32(acc.a, dot_unsigned(u.a, x)), _mm256_add_epi32(acc.b, dot_unsigned(u.b, x)));
 }
 /* two steps of unsigned codes at most 63 (every type but Q8_0): their int16 pair sums, each at most 2 * 63 * 127,
@@ -484,16 +496,16 @@ static inline __m256i dot2_unsigned(__m256i u0, __m256i x0, __m256i u1, __m256i 
     __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u0, x0), _mm256_maddubs_epi16(u1, x1));
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
-static inline ivec iv_dot2(ivec acc, ivec u0, int32_t x0, ivec u1, int32_t x1) {
-    __m256i a = _mm256_set1_epi32(x0), b = _mm256_set1_epi32(x1);
+static inline ivec iv_dot2(ivec acc, ivec u0, const int8_t *x0, ivec u1, const int8_t *x1) {
+    __m256i a = set1_four(x0), b = set1_four(x1);
     return IV2(_mm256_add_epi32(acc.a, dot2_unsigned(u0.a, a, u1.a, b)),
                _mm256_add_epi32(acc.b, dot2_unsigned(u0.b, a, u1.b, b)));
 }
 /* signed codes w (Q8_0): |w| against x with w's sign (exact for every w, -128 included), |w| taken once per vector
  * for all the rows */
 static inline ivec iv_magnitude(ivec w) { return IV2(_mm256_abs_epi8(w.a), _mm256_abs_epi8(w.b)); }
-static inline ivec iv_dot_signed(ivec acc, ivec w, ivec magnitude, int32_t x4) {
-    __m256i x = _mm256_set1_epi32(x4);
+static inline ivec iv_dot_signed(ivec acc, ivec w, ivec magnitude, const int8_t *x4) {
+    __m256i x = set1_four(x4);
     return IV2(_mm256_add_epi32(acc.a, dot_unsigned(magnitude.a, _mm256_sign_epi8(x, w.a))),
                _mm256_add_epi32(acc.b, dot_unsigned(magnitude.b, _mm256_sign_epi8(x, w.b))));
 }
@@ -552,11 +564,8 @@ ALWAYS_INLINE ivec packed_vector(int type, const uint8_t *codes, int g) {
     return u;
 }
 
-static inline int32_t four(const xblock *xb, int g) {
-    int32_t v;
-    memcpy(&v, xb->q + 4 * g, 4);
-    return v;
-}
+/* elements 4g..4g+3 of an activation block's codes */
+static inline const int8_t *four(const xblock *xb, int g) { return xb->q + 4 * g; }
 
 /* What a sub-block of one group needs besides its codes: the float factors per column, shared by the rows */
 typedef struct {
