@@ -426,7 +426,6 @@ static inline ivec iv_dot2(ivec acc, ivec u0, const int8_t *x0, ivec u1, const i
     return iv_dot(iv_dot(acc, u0, x0), u1, x1);
 }
 #define Q8_0_OFFSET 128
-static inline ivec iv_sub_set1(ivec v, int32_t s) { return _mm512_sub_epi32(v, _mm512_set1_epi32(s)); }
 static inline ivec iv_set1(int32_t s) { return _mm512_set1_epi32(s); }
 static inline ivec iv_add(ivec a, ivec b) { return _mm512_add_epi32(a, b); }
 static inline ivec iv_i8_lanes(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
@@ -510,10 +509,6 @@ static inline ivec iv_dot_signed(ivec acc, ivec w, ivec magnitude, const int8_t 
                _mm256_add_epi32(acc.b, dot_unsigned(magnitude.b, _mm256_sign_epi8(x, w.b))));
 }
 #define Q8_0_OFFSET 0
-static inline ivec iv_sub_set1(ivec v, int32_t s) {
-    __m256i x = _mm256_set1_epi32(s);
-    return IV2(_mm256_sub_epi32(v.a, x), _mm256_sub_epi32(v.b, x));
-}
 static inline ivec iv_add(ivec x, ivec y) { return IV2(_mm256_add_epi32(x.a, y.a), _mm256_add_epi32(x.b, y.b)); }
 static inline ivec iv_set1(int32_t s) { return IV2(_mm256_set1_epi32(s), _mm256_set1_epi32(s)); }
 static inline ivec iv_i8_lanes(const uint8_t *p) {
@@ -614,23 +609,26 @@ ALWAYS_INLINE void float_step(int type, ivec sum, ivec half, factors f, const xb
     if (type == Q4_K || type == Q5_K) {
         *acc = fv_fma(fv_cvt(sum), fv_mul(f.scale, xd), *acc);
         *mins = fv_fma(f.min, fv_set1(block_dsum(xb)), *mins);
-    } else if (type == Q6_K) {
-        ivec lo = iv_sub_set1(half, 32 * xb->halves[0]);
-        ivec hi = iv_sub_set1(sum, 32 * xb->halves[1]);
-        *acc = fv_fma(fv_cvt(lo), fv_mul(f.scale, xd), *acc);
-        *acc = fv_fma(fv_cvt(hi), fv_mul(f.scale_hi, xd), *acc);
+    } else if (type == Q6_K) { /* the halves' sums already less their codes' offset (q6_start) */
+        *acc = fv_fma(fv_cvt(half), fv_mul(f.scale, xd), *acc);
+        *acc = fv_fma(fv_cvt(sum), fv_mul(f.scale_hi, xd), *acc);
     } else {
         *acc = fv_fma(fv_cvt(sum), fv_mul(f.scale, xd), *acc);
     }
 }
 
+/* Where Q6_K's sums of half h (elements 16h..16h+15) start: -32 times the activation half's sum, so that they end as
+ * the sums of (code - 32) * x, the codes' offset taken off without a subtraction per row and sub-block */
+static inline ivec q6_start(const xblock *xb, int h) { return iv_set1(-32 * xb->halves[h]); }
+
 /* One row's exact int32 sums of a sub-block: two chains of dot products (each waits on the last), joined exactly
- * (Q6_K: *half holds elements 0-15, *sum 16-31). The code vectors are vec[] and mag[] (decoded once for many rows) or,
+ * (Q6_K: *half holds elements 0-15, *sum 16-31, each less its codes' offset). The code vectors are vec[] and mag[] (decoded once for many rows) or,
  * where vec is NULL, decoded from `codes` just before their products: for a single row, decoding all eight first is
  * more vectors (with Q8_0's magnitudes) than AVX2 has registers, and the rest went to the stack and back. */
 ALWAYS_INLINE void one_row_sums(int type, const uint8_t *codes, const ivec *vec, const ivec *mag, const xblock *xb,
                                 ivec *sum, ivec *half) {
     ivec chain[2][2] = {{code_offset(type) ? iv_set1(xb->halves[0]) : iv_zero(), iv_zero()}, {iv_zero(), iv_zero()}};
+    if (type == Q6_K) chain[0][0] = q6_start(xb, 0), chain[1][0] = q6_start(xb, 1);
     for (int g = 0; g < 8; g += 2) {
         ivec *c = &chain[g / 4][g / 2 % 2];
         ivec v0 = vec ? vec[g] : packed_vector(type, codes, g);
@@ -656,14 +654,14 @@ ALWAYS_INLINE void rows_update(int type, const ivec *vec, const ivec *mag, facto
         one_row_sums(type, NULL, vec, mag, xb[0], &sum[0], &half[0]);
     } else {
         for (int r = 0; r < R; r++) {
-            sum[r] = code_offset(type) ? iv_set1(xb[r]->halves[0]) : iv_zero();
+            sum[r] = type == Q6_K ? q6_start(xb[r], 0) : code_offset(type) ? iv_set1(xb[r]->halves[0]) : iv_zero();
             half[r] = iv_zero();
         }
         for (int g = 0; g < 8; g += 2) {
             if (type == Q6_K && g == 4)
                 for (int r = 0; r < R; r++) {
                     half[r] = sum[r];
-                    sum[r] = iv_zero();
+                    sum[r] = q6_start(xb[r], 1);
                 }
             for (int r = 0; r < R; r++)
                 sum[r] = type == Q8_0 ? iv_dot_signed(iv_dot_signed(sum[r], vec[g], mag[g], four(xb[r], g)), vec[g + 1],
