@@ -4,6 +4,7 @@ Qwen2's q/k/v biases, Phi-3's fused projections."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,8 @@ from tests.model.gguf_blocks import IDS, MIXED, native_model
 from tests.tiny_model import tiny_tokenizer, write_tiny_gguf
 from tokenmill.config import Config
 from tokenmill.engine.build import build_engine_core, describe
+from tokenmill.engine.core import EngineCore
+from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.kernels import ops
 from tokenmill.model.c_layer import LayerStack
@@ -173,3 +176,57 @@ def test_a_prompts_last_token_in_a_step_of_64k_plus_1_rows_gets_its_own_numbers(
     loaded, step_rows = run(with_load=True)
     assert step_rows[1] == rows  # the decodes, the long prompt and the target's prompt, its last token the last row
     assert loaded == alone
+
+
+BUDGETS = [24, 48, 65, 96, 129, 160, 193, 256]  # a step's token budget, one per round; some of them 64k + 1
+
+
+def test_requests_arriving_at_random_steps_compute_what_they_compute_alone(tmp_path: Path) -> None:
+    """Batch invariance over the step sizes a server makes: 24 seeded requests (prompts of 1-61 tokens, greedy and
+    sampled) arriving in groups at random steps, in eight rounds under token budgets of 24-256, so that steps of a
+    few rows to a couple of hundred mix prefills, chunked prefills and decodes. Each request's tokens and logprobs
+    must be those it gets alone."""
+    model = native_model(write_tiny_gguf(tmp_path / "mixed.gguf", quantize=MIXED), tmp_path / "cache")
+    rng = random.Random(0)
+    requests = {
+        f"r{i}": (
+            [2, *rng.choices(range(4, 500), k=rng.randint(0, 60))],
+            SamplingParams(
+                max_tokens=rng.randint(1, 10),
+                temperature=rng.choice([0.0, 0.8]),
+                seed=rng.randint(0, 99),
+                logprobs=2,
+                ignore_eos=True,
+            ),
+        )
+        for i in range(24)
+    }
+    config = Config(dtype="bfloat16", block_size=4, num_kv_blocks=1024, max_num_seqs=16, max_num_prefills=6)
+
+    def core_with_budget(budget: int) -> EngineCore:
+        return build_engine_core(model, tiny_tokenizer(), config.with_overrides(max_num_batched_tokens=budget))
+
+    def results(outs: list[RequestOutput]) -> list[object]:
+        return [(d.token_ids, [(t.logprob, t.top) for t in d.logprobs or []]) for o in outs for d in o.deltas]
+
+    alone = {}
+    for request_id, (prompt, params) in requests.items():
+        core = core_with_budget(256)
+        core.add_request(request_id, prompt, params)
+        alone[request_id] = results(run_all(core)[request_id])
+    step_rows: list[int] = []
+    for budget in BUDGETS:
+        core = core_with_budget(budget)
+        core.step_observers.append(lambda report: step_rows.append(report.num_tokens))
+        arrivals = sorted((rng.randint(0, 8), request_id) for request_id in requests)
+        outputs: dict[str, list[RequestOutput]] = {}
+        for step in range(500):
+            while arrivals and arrivals[0][0] <= step:
+                request_id = arrivals.pop(0)[1]
+                core.add_request(request_id, *requests[request_id])
+            for out in core.step():
+                outputs.setdefault(out.request_id, []).append(out)
+            if not arrivals and not core.has_work:
+                break
+        assert {request_id: results(outs) for request_id, outs in outputs.items()} == alone, budget
+    assert {65, 129} <= set(step_rows) and min(step_rows) < 8  # steps of 64k + 1 rows among many sizes
