@@ -1,5 +1,6 @@
-"""Seeds under load, in-process and fast: tests/e2e/test_seeds_under_load.py's requests without HTTP, their arrivals
-spread over the engine's steps so that each round's steps hold other mixes of prefills and decodes.
+"""Seeds under load, in-process and fast: tests/e2e/test_seeds_under_load.py's requests (tests/e2e/seeds_workload.py)
+without HTTP, their arrivals spread over the engine's steps so that each round's steps hold other mixes of prefills
+and decodes.
 
 python scripts/batch_invariance.py --rounds 100
 python scripts/batch_invariance.py --model path/to/file.gguf --rounds 30 --start 16
@@ -16,19 +17,21 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the requests live with the e2e tests
+
+from tests.e2e.seeds_workload import GREEDY, SEEDED, fillers
 from tokenmill.config import Config
 from tokenmill.engine.build import load_engine_core
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.engine.sequence import Sequence
 
-SEEDED = ("Write a short poem about the sea:", {"max_tokens": 24, "temperature": 1.0, "seed": 1234})
-GREEDY = ("The history of the printing press begins", {"max_tokens": 24, "temperature": 0.0})
-FILLER_WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "small", "cat", "watches"]
 SPREADS = [0, 1, 3, 8, 20]  # a round's arrivals fall on steps 0..spread
 MAX_STEPS = 5000  # per round: far more than 16 requests of at most 32 tokens need
 
@@ -37,21 +40,7 @@ MAX_STEPS = 5000  # per round: far more than 16 requests of at most 32 tokens ne
 class Arrival:
     step: int
     name: str
-    prompt: str
-    params: dict[str, Any]
-
-
-def fillers(round_index: int) -> list[tuple[str, str, dict[str, Any]]]:
-    """The e2e test's 14 fillers of this round: (name, prompt, params)."""
-    rng = random.Random(round_index)
-    out = []
-    for i in range(14):
-        words = rng.choices(FILLER_WORDS, k=rng.randint(1, 60))
-        params: dict[str, Any] = {"max_tokens": rng.randint(1, 32), "temperature": rng.choice([0, 0.7, 1.0])}
-        if i % 2:
-            params["seed"] = rng.randint(0, 99)
-        out.append((f"filler{i}", f"{i}: " + " ".join(words), params))
-    return out
+    body: dict[str, Any]  # an OpenAI completion request's: the prompt and the sampling fields
 
 
 def run(core: EngineCore, arrivals: list[Arrival]) -> dict[str, Sequence]:
@@ -62,7 +51,8 @@ def run(core: EngineCore, arrivals: list[Arrival]) -> dict[str, Sequence]:
         while pending and pending[0].step <= step:
             a = pending.pop(0)
             request_id = f"{a.name}-{time.monotonic_ns()}"
-            core.add_request(request_id, core.tokenizer.encode(a.prompt), SamplingParams(logprobs=0, **a.params))
+            params = {k: v for k, v in a.body.items() if k != "prompt"}
+            core.add_request(request_id, core.tokenizer.encode(a.body["prompt"]), SamplingParams(logprobs=0, **params))
             sequences[a.name] = core.requests[request_id].seqs[0]
         if not pending and not core.has_work:
             return sequences
@@ -79,19 +69,18 @@ def main() -> None:
     core = load_engine_core(Config(model=(args.model,) if args.model else ())).core
     decode = core.tokenizer.decode
     alone = {
-        name: run(core, [Arrival(0, name, prompt, params)])[name]
-        for name, (prompt, params) in {"seeded": SEEDED, "greedy": GREEDY}.items()
+        name: run(core, [Arrival(0, name, body)])[name] for name, body in {"seeded": SEEDED, "greedy": GREEDY}.items()
     }
     want = {name: (seq.output_ids, seq.cumulative_logprob) for name, seq in alone.items()}
     for name, (ids, _) in want.items():
         print(f"{name} alone: {decode(ids)!r}")
     differ, started = 0, time.perf_counter()
     for r in range(args.start, args.start + args.rounds):
-        items = [("seeded", *SEEDED), ("greedy", *GREEDY), *fillers(r)]
+        items = [("seeded", SEEDED), ("greedy", GREEDY), *((f"filler{i}", f) for i, f in enumerate(fillers(r)))]
         rng = random.Random(1000 + r)
         rng.shuffle(items)
         spread = rng.choice(SPREADS)
-        got = run(core, [Arrival(rng.randint(0, spread), name, prompt, params) for name, prompt, params in items])
+        got = run(core, [Arrival(rng.randint(0, spread), name, body) for name, body in items])
         for name in ("seeded", "greedy"):
             seq = got[name]
             if (seq.output_ids, seq.cumulative_logprob) != want[name]:
