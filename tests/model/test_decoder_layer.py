@@ -47,10 +47,12 @@ def _greedy_run(model: torch.nn.Module) -> dict[str, list[object]]:
     core = build_engine_core(model, tiny_tokenizer(), config)  # type: ignore[arg-type]
     for i, prompt in enumerate(PROMPTS):
         core.add_request(f"r{i}", prompt, SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True))
-    return {
-        rid: [(d.token_ids, [(t.logprob, t.top) for t in d.logprobs or []]) for o in outs for d in o.deltas]
-        for rid, outs in run_all(core).items()
-    }
+    return {rid: _tokens_and_logprobs(outs) for rid, outs in run_all(core).items()}
+
+
+def _tokens_and_logprobs(outs: list[RequestOutput]) -> list[object]:
+    """A request's outputs as what the comparisons check: each delta's token ids, and each token's logprob and top."""
+    return [(d.token_ids, [(t.logprob, t.top) for t in d.logprobs or []]) for o in outs for d in o.deltas]
 
 
 def test_engine_steps_in_c_equal_the_modules_token_for_token_and_logprob_for_logprob(
@@ -155,9 +157,9 @@ def test_a_prompts_last_token_in_a_step_of_64k_plus_1_rows_gets_its_own_numbers(
     target = [2, 5, 9, 14, 3, 7]
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True)
 
-    def run(with_load: bool) -> tuple[object, list[int]]:
+    def run(with_load: bool) -> tuple[list[object], list[int]]:
         config = Config(dtype="bfloat16", block_size=4, num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=256)
-        core = build_engine_core(model, tiny_tokenizer(), config)  # type: ignore[arg-type]
+        core = build_engine_core(model, tiny_tokenizer(), config)
         step_rows: list[int] = []
         core.step_observers.append(lambda report: step_rows.append(report.num_tokens))
         if with_load:
@@ -167,10 +169,7 @@ def test_a_prompts_last_token_in_a_step_of_64k_plus_1_rows_gets_its_own_numbers(
             long_prompt = [2, *(30 + i % 200 for i in range(rows - 4 - len(target) - 1))]
             core.add_request("long", long_prompt, SamplingParams(max_tokens=1, temperature=0.0))
         core.add_request("t", target, params)
-        got = [
-            (d.token_ids, [(t.logprob, t.top) for t in d.logprobs or []]) for o in run_all(core)["t"] for d in o.deltas
-        ]
-        return got, step_rows
+        return _tokens_and_logprobs(run_all(core)["t"]), step_rows
 
     alone, _ = run(with_load=False)
     loaded, step_rows = run(with_load=True)
@@ -206,14 +205,11 @@ def test_requests_arriving_at_random_steps_compute_what_they_compute_alone(tmp_p
     def core_with_budget(budget: int) -> EngineCore:
         return build_engine_core(model, tiny_tokenizer(), config.with_overrides(max_num_batched_tokens=budget))
 
-    def results(outs: list[RequestOutput]) -> list[object]:
-        return [(d.token_ids, [(t.logprob, t.top) for t in d.logprobs or []]) for o in outs for d in o.deltas]
-
     alone = {}
     for request_id, (prompt, params) in requests.items():
         core = core_with_budget(256)
         core.add_request(request_id, prompt, params)
-        alone[request_id] = results(run_all(core)[request_id])
+        alone[request_id] = _tokens_and_logprobs(run_all(core)[request_id])
     step_rows: list[int] = []
     for budget in BUDGETS:
         core = core_with_budget(budget)
@@ -228,5 +224,5 @@ def test_requests_arriving_at_random_steps_compute_what_they_compute_alone(tmp_p
                 outputs.setdefault(out.request_id, []).append(out)
             if not arrivals and not core.has_work:
                 break
-        assert {request_id: results(outs) for request_id, outs in outputs.items()} == alone, budget
+        assert {request_id: _tokens_and_logprobs(outs) for request_id, outs in outputs.items()} == alone, budget
     assert {65, 129} <= set(step_rows) and min(step_rows) < 8  # steps of 64k + 1 rows among many sizes
