@@ -622,9 +622,10 @@ ALWAYS_INLINE void float_step(int type, ivec sum, ivec half, factors f, const xb
 static inline ivec q6_start(const xblock *xb, int h) { return iv_set1(-32 * xb->halves[h]); }
 
 /* One row's exact int32 sums of a sub-block: two chains of dot products (each waits on the last), joined exactly
- * (Q6_K: *half holds elements 0-15, *sum 16-31, each less its codes' offset). The code vectors are vec[] and mag[] (decoded once for many rows) or,
- * where vec is NULL, decoded from `codes` just before their products: for a single row, decoding all eight first is
- * more vectors (with Q8_0's magnitudes) than AVX2 has registers, and the rest went to the stack and back. */
+ * (Q6_K: *half holds elements 0-15, *sum 16-31, each less its codes' offset). The code vectors are vec[] and mag[]
+ * (decoded once for many rows) or, where vec is NULL, decoded from `codes` just before their products: for a single
+ * row, decoding all eight first is more vectors (with Q8_0's magnitudes) than AVX2 has registers, and the rest went
+ * to the stack and back. */
 ALWAYS_INLINE void one_row_sums(int type, const uint8_t *codes, const ivec *vec, const ivec *mag, const xblock *xb,
                                 ivec *sum, ivec *half) {
     ivec chain[2][2] = {{code_offset(type) ? iv_set1(xb->halves[0]) : iv_zero(), iv_zero()}, {iv_zero(), iv_zero()}};
