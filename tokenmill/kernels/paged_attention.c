@@ -47,6 +47,29 @@ static inline __attribute__((always_inline)) void attend_group(
     float *s[GROUP];
     for (int g = 0; g < GS; g++) s[g] = scores + g * (count + 16);
     int64_t j = 0;
+#if defined(VEC16_WIDE)
+    /* 16 keys at a time, their dot products' lanes summed together (v16_sum16: the same sums as one at a time) */
+    for (; j + 16 <= count; j += 16) {
+        v16 dots[GROUP][16];
+        for (int at = 0; at < 16; at += 2) {
+            const uint16_t *k0 = k_cache + slots[j + at] * slot_stride, *k1 = k_cache + slots[j + at + 1] * slot_stride;
+            v16 a0[GROUP], a1[GROUP];
+            for (int g = 0; g < GS; g++) a0[g] = a1[g] = v16_zero();
+            for (int64_t i = 0; i < lanes; i++) {
+                v16 x0 = v16_load_bf16(k0 + 16 * i), x1 = v16_load_bf16(k1 + 16 * i);
+                for (int g = 0; g < GS; g++) {
+                    a0[g] = v16_fma(qf[g][i], x0, a0[g]);
+                    a1[g] = v16_fma(qf[g][i], x1, a1[g]);
+                }
+            }
+            for (int g = 0; g < GS; g++) {
+                dots[g][v16_sum16_slot(at)] = a0[g];
+                dots[g][v16_sum16_slot(at + 1)] = a1[g];
+            }
+        }
+        for (int g = 0; g < GS; g++) v16_store(s[g] + j, v16_mul(v16_sum16(dots[g]), v16_set1(scale)));
+    }
+#endif
     for (; j + 2 <= count; j += 2) {
         const uint16_t *k0 = k_cache + slots[j] * slot_stride, *k1 = k_cache + slots[j + 1] * slot_stride;
         v16 a0[GROUP], a1[GROUP];

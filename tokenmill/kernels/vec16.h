@@ -47,6 +47,26 @@ static inline v16 v16_where_negative(v16 x, v16 a, v16 b) {
     return _mm512_mask_mov_ps(b, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), a);
 }
 static inline float v16_reduce_add(v16 v) { return _mm512_reduce_add_ps(v); }
+/* Sixteen v16_reduce_adds at once: lane l of the result is the sum of v[v16_sum16_slot(l)], with the same additions
+ * in the same pairs (lanes i + i + 8, then i + i + 4, then (0 + 2) + (1 + 3)), so the same bits, in 15 vector adds
+ * and 30 shuffles where one at a time takes 16 x 4 adds and as many extracts and shuffles. Each step adds pairs of
+ * vectors' partial sums side by side; after the last, the lanes come out as a 4 x 4 transpose of the inputs. */
+static inline int v16_sum16_slot(int l) { return l % 4 * 4 + l / 4; }
+static inline v16 v16_sum16(const v16 *v) {
+    __m512 eight[8], four[4], two[2];
+    for (int p = 0; p < 8; p++) /* lanes 0-7: v[2p]'s i + i + 8; lanes 8-15: v[2p + 1]'s */
+        eight[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int p = 0; p < 4; p++) /* quarter q: v[4p + q]'s i + i + 4 */
+        four[p] = _mm512_add_ps(_mm512_shuffle_f32x4(eight[2 * p], eight[2 * p + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                _mm512_shuffle_f32x4(eight[2 * p], eight[2 * p + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int p = 0; p < 2; p++) /* quarter q: (0 + 2, 1 + 3) of v[8p + q], then of v[8p + 4 + q] */
+        two[p] = _mm512_add_ps(_mm512_shuffle_ps(four[2 * p], four[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                               _mm512_shuffle_ps(four[2 * p], four[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* quarter q: the sums of v[q], v[4 + q], v[8 + q], v[12 + q] */
+    return _mm512_add_ps(_mm512_shuffle_ps(two[0], two[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(two[0], two[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
 static inline float v16_reduce_max(v16 v) { return _mm512_reduce_max_ps(v); }
 static inline v16 v16_exp_nonpositive(v16 x) { return exp_nonpositive(x); }
 
