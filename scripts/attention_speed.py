@@ -4,8 +4,8 @@ python scripts/attention_speed.py                      # the default model's hea
 python scripts/attention_speed.py --rows 1 --count 1000 --heads 4 1 256
 
 For each shape it prints the best of the rounds in microseconds and in G multiply-adds/s (q . k and p . v, both
-counted). The keys sit at random cache slots, as a paged cache scatters a sequence's blocks; the whole cache fits in
-the CPU's caches at the default sizes, so this is the kernel's compute, not memory.
+counted). The keys sit in blocks of 16 slots in random order, as a paged cache scatters a sequence's blocks; at the
+default sizes the whole cache fits in the CPU's caches, so this is the kernel's compute, not memory.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 from tokenmill.kernels import ops
 
 SHAPES = ((4, 1, 256), (32, 8, 64))  # (query heads, KV heads, head size): Gemma 3 270M, Llama 3.2 1B
+BLOCK = 16  # the KV cache's slots per block (Config.block_size's default)
 
 
 def main() -> None:
@@ -47,7 +48,8 @@ def best_call(rows: int, hq: int, hkv: int, d: int, count: int, rounds: int, cal
     k_cache = torch.randn(rows * count, hkv, d, generator=gen).bfloat16()
     v_cache = torch.randn(rows * count, hkv, d, generator=gen).bfloat16()
     q = torch.randn(rows, hq, d, generator=gen).bfloat16()
-    slots = torch.randperm(rows * count, generator=gen)
+    blocks = torch.randperm(-(-rows * count // BLOCK), generator=gen)  # a paged cache: blocks in any order
+    slots = (blocks[:, None] * BLOCK + torch.arange(BLOCK)).flatten()[: rows * count]
     offset, counts = torch.arange(rows) * count, torch.full((rows,), count)
     best = float("inf")
     for _ in range(rounds):

@@ -138,7 +138,11 @@ int paged_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache
                     const int64_t *slots, const int64_t *offset, const int64_t *count, int64_t rows, int64_t hq,
                     int64_t hkv, int64_t d, float scale, float softcap, uint16_t *out, int threads) {
     if (d % 16 || d > MAX_ATTENTION_HEAD_DIM || hq % hkv) return -1;
-    int64_t longest = 1, group = hq / hkv, parts = (group + GROUP - 1) / GROUP;
+    /* Query heads a KV head's item computes together: GROUP, or fewer where the items would leave a thread idle (a
+     * single stream's step has one row, and Gemma 3 one KV head): each head's numbers do not depend on its group */
+    int64_t group = hq / hkv, size = GROUP;
+    while (size > 1 && rows * hkv * ((group + size - 1) / size) < threads) size /= 2;
+    int64_t longest = 1, parts = (group + size - 1) / size;
     for (int64_t r = 0; r < rows; r++) longest = count[r] > longest ? count[r] : longest;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
@@ -148,8 +152,8 @@ int paged_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < rows * hkv * parts; item++) { /* (row, KV head, part of its query heads) */
             if (scores == NULL) continue;
-            int64_t r = item / (hkv * parts), kv = item / parts % hkv, h = kv * group + item % parts * GROUP;
-            int64_t gs = group - item % parts * GROUP < GROUP ? group - item % parts * GROUP : GROUP;
+            int64_t r = item / (hkv * parts), kv = item / parts % hkv, h = kv * group + item % parts * size;
+            int64_t gs = group - item % parts * size < size ? group - item % parts * size : size;
             const uint16_t *qh = q + r * q_stride + h * d, *kc = k_cache + kv * d, *vc = v_cache + kv * d;
             const int64_t *sl = slots + offset[r];
             uint16_t *o = out + (r * hq + h) * d;
