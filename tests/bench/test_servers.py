@@ -55,6 +55,29 @@ def test_the_rss_sampler_sees_this_process() -> None:
     assert sampler.sample() > 0
 
 
+def test_the_rss_sampler_counts_children_and_looks_them_up_only_now_and_then(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import subprocess
+    import sys
+
+    import psutil
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lookups: list[int] = []
+        children = psutil.Process.children
+        monkeypatch.setattr(psutil.Process, "children", lambda self, **kw: lookups.append(1) or children(self, **kw))
+        sampler = RssSampler(os.getpid(), children_every_s=60.0)
+        mine = psutil.Process(os.getpid()).memory_info().rss
+        assert sampler.sample() > mine  # the child's memory counts
+        sampler.sample()
+        sampler.sample()
+        assert len(lookups) == 1  # one lookup for three samples
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_server_commands_listen_on_loopback_only() -> None:
     ours = tokenmill_spec(8001, "/m.gguf", ["--dtype", "bfloat16"], cache_dir="/tmp/c")
     assert ours.argv[1:4] == ("-m", "tokenmill.cli", "serve")
