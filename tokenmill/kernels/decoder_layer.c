@@ -71,6 +71,16 @@ static int attend(const decoder_layer_plan *p, const layer_scratch *s, int64_t t
                : 0;
 }
 
+/* The row-wise kernels between the products (the norms, q/k norm and rotary, the residual adds) take the rows in
+ * parallel where a step has a few: each row is computed as it would be alone, so the same bits. On one core they
+ * were a twentieth of a 16-row step's layer, the other core waiting. */
+#define PARALLEL_ROWS 4
+#if defined(_OPENMP)
+#define ROWS_IN_PARALLEL _Pragma("omp parallel for schedule(static) num_threads(threads) if (t >= PARALLEL_ROWS)")
+#else
+#define ROWS_IN_PARALLEL
+#endif
+
 int gemma3_layer(const decoder_layer_plan *p, const uint16_t *x, uint16_t *out, int64_t t, const uint16_t *cos,
                  const uint16_t *signed_sin, uint16_t *k_cache, uint16_t *v_cache, const int64_t *slot_mapping,
                  const int64_t *slots, const int64_t *offset, const int64_t *count, int threads) {
@@ -79,17 +89,28 @@ int gemma3_layer(const decoder_layer_plan *p, const uint16_t *x, uint16_t *out, 
     int status = scratch_for(p, t, &s);
     if (status) return status;
 
-    rms_norm(x, hidden, p->input_norm, s.h, t, hidden, p->eps);
+    const int64_t heads = p->heads + p->kv_heads, d = p->head_dim;
+    ROWS_IN_PARALLEL
+    for (int64_t r = 0; r < t; r++) rms_norm(x + r * hidden, hidden, p->input_norm, s.h + r * hidden, 1, hidden, p->eps);
     if ((status = project(&p->qkv, s.h, t, s.qkv, threads))) goto done;
-    norm_rotary(s.qkv, p->qkv.n, p->qk_factor, cos, signed_sin, s.qk, t, p->heads + p->kv_heads, p->head_dim, p->eps);
+    ROWS_IN_PARALLEL
+    for (int64_t r = 0; r < t; r++)
+        norm_rotary(s.qkv + r * p->qkv.n, p->qkv.n, p->qk_factor, cos + r * d, signed_sin + r * d, s.qk + r * heads * d,
+                    1, heads, d, p->eps);
     if ((status = attend(p, &s, t, k_cache, v_cache, slot_mapping, slots, offset, count, threads))) goto done;
     if ((status = project(&p->o, s.attn, t, s.h, threads))) goto done;
-    add_rms_norm(x, s.h, p->post_attention_norm, out, t, hidden, p->eps);
-    rms_norm(out, hidden, p->pre_feedforward_norm, s.h, t, hidden, p->eps);
+    ROWS_IN_PARALLEL
+    for (int64_t r = 0; r < t; r++) {
+        const int64_t at = r * hidden;
+        add_rms_norm(x + at, s.h + at, p->post_attention_norm, out + at, 1, hidden, p->eps);
+        rms_norm(out + at, hidden, p->pre_feedforward_norm, s.h + at, 1, hidden, p->eps);
+    }
     if ((status = project(&p->gate_up, s.h, t, s.gate_up, threads))) goto done;
     gelu_mul(s.gate_up, 2 * ffn, t, ffn, s.act, threads);
     if ((status = project(&p->down, s.act, t, s.h, threads))) goto done;
-    add_rms_norm(out, s.h, p->post_feedforward_norm, out, t, hidden, p->eps); /* row by row, read before written */
+    ROWS_IN_PARALLEL
+    for (int64_t r = 0; r < t; r++) /* in place: a row is read before it is written */
+        add_rms_norm(out + r * hidden, s.h + r * hidden, p->post_feedforward_norm, out + r * hidden, 1, hidden, p->eps);
 done:
     free(s.h);
     return status;
