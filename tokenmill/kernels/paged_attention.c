@@ -132,6 +132,40 @@ static inline __attribute__((always_inline)) void attend_group(
     }
 }
 
+/* A thread's items' key and value rows are asked into L2 (prefetcht1) up to PREFETCH_BYTES ahead of the item in hand,
+ * a row at a time. Why: a decode step finds each layer's cache cold (the step streams all the weights between two
+ * visits of a layer), and the loops' own loads, a key at a time, kept too few lines in flight: 16 rows of 70 keys took
+ * 3x as long cold as hot (`scripts/attention_speed.py --cold`; the README has the figures). Asking for each item's rows
+ * just before it, or for the budget's rows in one tight loop, gained less than this, measured. */
+#define PREFETCH_BYTES (512 << 10)
+typedef struct {
+    int64_t item, key, bytes; /* the next row to ask for; the bytes asked for so far */
+} prefetch_cursor;
+
+/* the bytes of an item's rows (a part of a KV head's query heads after its first reads the same rows) */
+static inline int64_t item_bytes(const int64_t *count, int64_t r, int64_t part, int64_t d) {
+    return part ? 0 : count[r] * 4 * d;
+}
+
+/* asks for rows from the cursor on until `upto` bytes have been asked for, or the items up to `end` are all asked */
+static void prefetch_rows(prefetch_cursor *c, int64_t upto, int64_t end, const uint16_t *k_cache,
+                          const uint16_t *v_cache, const int64_t *slots, const int64_t *offset, const int64_t *count,
+                          int64_t hkv, int64_t parts, int64_t d) {
+    while (c->bytes < upto && c->item < end) {
+        int64_t r = c->item / (hkv * parts), kv = c->item / parts % hkv;
+        if (c->item % parts || c->key >= count[r]) { /* a later part of the same rows, or the item's rows done */
+            c->item++, c->key = 0;
+            continue;
+        }
+        int64_t slot = slots[offset[r] + c->key++];
+        for (int64_t b = 0; b < 2 * d; b += 64) {
+            _mm_prefetch((const char *)(k_cache + (slot * hkv + kv) * d) + b, _MM_HINT_T1);
+            _mm_prefetch((const char *)(v_cache + (slot * hkv + kv) * d) + b, _MM_HINT_T1);
+        }
+        c->bytes += 4 * d;
+    }
+}
+
 /* q (rows, hq, d) with row stride q_stride; caches (slots, hkv, d); out (rows, hq, d) contiguous. Returns 0, or -1
  * for an unsupported head size or no memory for the scores. */
 int paged_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
@@ -149,9 +183,16 @@ int paged_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache
     {
         float *scores = malloc((size_t)(GROUP * (longest + 16)) * sizeof *scores);
         if (scores == NULL) failed = 1;
-#pragma omp for schedule(static)
-        for (int64_t item = 0; item < rows * hkv * parts; item++) { /* (row, KV head, part of its query heads) */
+        /* this thread's items, as schedule(static) deals them (one run of consecutive items), with their cache rows
+         * asked for ahead of them */
+        int64_t items = rows * hkv * parts, team = omp_get_num_threads(), me = omp_get_thread_num();
+        int64_t first = items * me / team, end = items * (me + 1) / team;
+        prefetch_cursor ahead = {first, 0, 0};
+        int64_t used = 0;
+        for (int64_t item = first; item < end; item++) { /* (row, KV head, part of its query heads) */
             if (scores == NULL) continue;
+            prefetch_rows(&ahead, used + PREFETCH_BYTES, end, k_cache, v_cache, slots, offset, count, hkv, parts, d);
+            used += item_bytes(count, item / (hkv * parts), item % parts, d);
             int64_t r = item / (hkv * parts), kv = item / parts % hkv, h = kv * group + item % parts * size;
             int64_t gs = group - item % parts * size < size ? group - item % parts * size : size;
             const uint16_t *qh = q + r * q_stride + h * d, *kc = k_cache + kv * d, *vc = v_cache + kv * d;
