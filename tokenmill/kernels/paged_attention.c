@@ -191,9 +191,9 @@ int paged_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache
         int64_t used = 0;
         for (int64_t item = first; item < end; item++) { /* (row, KV head, part of its query heads) */
             if (scores == NULL) continue;
-            prefetch_rows(&ahead, used + PREFETCH_BYTES, end, k_cache, v_cache, slots, offset, count, hkv, parts, d);
-            used += item_bytes(count, item / (hkv * parts), item % parts, d);
             int64_t r = item / (hkv * parts), kv = item / parts % hkv, h = kv * group + item % parts * size;
+            prefetch_rows(&ahead, used + PREFETCH_BYTES, end, k_cache, v_cache, slots, offset, count, hkv, parts, d);
+            used += item_bytes(count, r, item % parts, d);
             int64_t gs = group - item % parts * size < size ? group - item % parts * size : size;
             const uint16_t *qh = q + r * q_stride + h * d, *kc = k_cache + kv * d, *vc = v_cache + kv * d;
             const int64_t *sl = slots + offset[r];
