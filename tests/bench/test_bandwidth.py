@@ -38,33 +38,65 @@ def test_the_limit_is_bandwidth_over_bytes() -> None:
     assert bandwidth.limit_tok_s(20.0, 500_000_000) == pytest.approx(40.0)
 
 
-def test_each_system_gets_its_share_of_the_limit(tmp_path: Path) -> None:
+def _server_pass(decode_tok_s: float, gb_s: list[float] | None) -> dict[str, object]:
+    """What bench_url returns, as far as the share reads it: the single stream's decode and the bandwidth around it."""
+    single: dict[str, object] = {"decode_tok_s": decode_tok_s}
+    if gb_s is not None:
+        single["memory_read_gb_s"] = gb_s
+    return {"single": single, "levels": []}
+
+
+def test_each_pass_is_held_to_the_bandwidth_measured_around_it(tmp_path: Path) -> None:
     path = str(write_tiny_gguf(tmp_path / "tiny.gguf"))
     weight_bytes = bandwidth.gguf_weight_bytes(path)
+    systems = {  # a fast pass while the machine was slow, a slower one while it was fast
+        "a": {"passes": [_server_pass(40.0, [10.0, 14.0]), _server_pass(50.0, [30.0, 34.0])]},
+        "b": {"passes": [_server_pass(20.0, [20.0, 20.0])]},
+    }
+    figures: dict[str, dict[str, float | None]] = {"a": {"decode_tok_s": 45.0}, "b": {"decode_tok_s": 20.0}}
+    read_gb_s = [gb for name in systems for one_pass in systems[name]["passes"] for gb in run._pass_gb_s(one_pass)]
+    meta = run._bandwidth_limit(figures, systems, path, read_gb_s)
+    assert meta == {
+        "memory_read_gb_s": 20.0,  # the median of every figure
+        "memory_read_gb_s_range": [10.0, 34.0],
+        "weight_bytes": weight_bytes,
+        "bandwidth_limit_tok_s": 20e9 / weight_bytes,
+    }
+    shares = [40.0 / (12e9 / weight_bytes), 50.0 / (32e9 / weight_bytes)]  # each against the mean around it
+    assert figures["a"]["bandwidth_share"] == pytest.approx((shares[0] + shares[1]) / 2)  # then their median
+    assert figures["b"]["bandwidth_share"] == pytest.approx(20.0 / (20e9 / weight_bytes))
+
+
+def test_a_pass_without_its_own_measurement_is_held_to_the_runs_median(tmp_path: Path) -> None:
+    path = str(write_tiny_gguf(tmp_path / "tiny.gguf"))
+    limit = 20e9 / bandwidth.gguf_weight_bytes(path)
+    systems = {"a": {"passes": [{"decode_tok_s": 50.0, "batch": 4}]}, "b": {"passes": [_server_pass(1.0, None)]}}
     figures: dict[str, dict[str, float | None]] = {"a": {"decode_tok_s": 50.0}, "b": {"decode_tok_s": None}}
-    meta = run._bandwidth_limit(figures, path, [10.0, 30.0, 20.0])  # the median round: 20 GB/s
-    limit = 20e9 / weight_bytes
-    assert meta == {"memory_read_gb_s": 20.0, "weight_bytes": weight_bytes, "bandwidth_limit_tok_s": limit}
+    run._bandwidth_limit(figures, systems, path, [10.0, 30.0, 20.0])
     assert figures["a"]["bandwidth_share"] == pytest.approx(50.0 / limit) and figures["b"]["bandwidth_share"] is None
-    assert run._bandwidth_limit({"a": {"decode_tok_s": 1.0}}, path, []) == {}  # --no-bandwidth: nothing measured
+    assert run._bandwidth_limit({"a": {"decode_tok_s": 1.0}}, {}, path, []) == {}  # --no-bandwidth: none measured
 
 
-def test_a_run_on_a_gguf_measures_each_round_and_prints_the_limit(
+def test_a_run_on_a_gguf_measures_around_each_single_stream_and_prints_the_limit(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     fake = FakeOpenAI()
     monkeypatch.setattr(run, "bench_url", functools.partial(bench_url, transport=fake.transport()))
-    measured: list[int] = []
-    monkeypatch.setattr(bandwidth, "measure_read_gb_s", lambda: measured.append(1) or 10.0)
+    sent_before: list[int] = []  # the completions sent before each measurement
+    figures = iter([10.0, 12.0, 30.0, 32.0])
+    monkeypatch.setattr(bandwidth, "measure_read_gb_s", lambda: sent_before.append(len(fake.bodies)) or next(figures))
     path = str(write_tiny_gguf(tmp_path / "tiny.gguf"))
     out = tmp_path / "bench.json"
     argv = ["bench", "--url", "http://127.0.0.1:9", "--model", path, "--requests", "4", "--max-tokens", "8"]
-    assert main([*argv, "--concurrency", "1", "--rounds", "2", "--json", str(out)]) == 0
-    assert len(measured) == 2  # once per round
+    assert main([*argv, "--concurrency", "1", "--single-runs", "2", "--rounds", "2", "--json", str(out)]) == 0
+    # a round: the warm-up, a measurement, the two single-stream requests, a measurement, the level's four requests
+    assert sent_before == [1, 3, 8, 10] and len(fake.bodies) == 14
     printed = capsys.readouterr().out
-    assert "memory read 10.0 GB/s" in printed and "share of bandwidth limit" in printed
-    meta = json.loads(out.read_text())["meta"]
-    assert meta["memory_read_gb_s"] == 10.0 and meta["weight_bytes"] == bandwidth.gguf_weight_bytes(path)
+    assert "memory read 21.0 GB/s, 10.0–32.0" in printed and "share of bandwidth limit" in printed
+    result = json.loads(out.read_text())
+    assert [p["single"]["memory_read_gb_s"] for p in result["systems"]["server"]["passes"]] == [[10, 12], [30, 32]]
+    meta = result["meta"]
+    assert meta["memory_read_gb_s"] == 21.0 and meta["weight_bytes"] == bandwidth.gguf_weight_bytes(path)
 
 
 def test_no_measurement_without_a_file_or_with_no_bandwidth(
@@ -97,6 +129,6 @@ def test_a_server_that_reports_its_weight_bytes_gets_them_in_the_table_and_a_pee
         "llama-server": run.system_figures({"passes": [theirs]}),
     }
     path = str(write_tiny_gguf(tmp_path / "tiny.gguf"))
-    run._bandwidth_limit(figures, path, [20.0])
+    run._bandwidth_limit(figures, {}, path, [20.0])
     assert figures["tokenmill"]["weights_read_mb"] == 270.0
     assert figures["llama-server"]["weights_read_mb"] == bandwidth.gguf_weight_bytes(path) / 1e6

@@ -60,7 +60,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     load.add_argument(
         "--no-bandwidth",
         action="store_true",
-        help="skip measuring memory read bandwidth (each round; sets the single-stream limit for a GGUF's bytes)",
+        help="skip measuring memory read bandwidth (around each single-stream run; sets the single-stream limit for a GGUF's bytes)",
     )
     load.add_argument("--api-key", help="bearer key for a server started with --api-key")
     load.add_argument("--server-pid", type=int, help="with --url: sample this process's RSS for the peak RSS figure")

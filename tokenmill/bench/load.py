@@ -7,6 +7,7 @@ import asyncio
 import itertools
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -189,16 +190,25 @@ def make_client(settings: LoadSettings, transport: httpx.AsyncBaseTransport | No
 
 
 async def bench_url(
-    url: str, settings: LoadSettings, transport: httpx.AsyncBaseTransport | None = None
+    url: str,
+    settings: LoadSettings,
+    transport: httpx.AsyncBaseTransport | None = None,
+    read_bandwidth: Callable[[], float] | None = None,
 ) -> dict[str, Any]:
-    """One pass over a server: a warm-up request, the single-stream runs, then each concurrency level."""
+    """One pass over a server: a warm-up request, the single-stream runs, then each concurrency level.
+    `read_bandwidth` (GB/s), where given, is measured just before and just after the single-stream runs, with the
+    server idle: the machine's memory bandwidth drifts by the minute, so the limit a decode is held to must be the
+    one it ran under (single["memory_read_gb_s"]: the two figures)."""
     base_url = require_loopback(url)
     async with make_client(settings, transport) as client:
         model, served_eos = await discover(client, base_url)
         eos_ids = settings.eos_ids if settings.eos_ids is not None else (served_eos or ())
         warmup = completion_body(model, PROMPTS[0], 8, eos_ids)
         await stream_completion(client, base_url, warmup, settings.request_timeout_s)
+        before = read_bandwidth() if read_bandwidth is not None else None
         single = await run_single(client, base_url, model, settings, eos_ids)
+        if read_bandwidth is not None:
+            single["memory_read_gb_s"] = [before, read_bandwidth()]
         levels = [await run_level(client, base_url, model, settings, eos_ids, c) for c in settings.concurrency]
         weight_bytes = await served_weight_bytes(client, base_url)
     return {

@@ -58,10 +58,12 @@ def ratios(systems: dict[str, Figures]) -> dict[str, Figures]:
 
 def bandwidth_line(meta: dict[str, Any]) -> str:
     """What the bandwidth limit is made of: the measured read speed and the file's weight bytes."""
+    low, high = meta.get("memory_read_gb_s_range") or (meta["memory_read_gb_s"],) * 2
     return (
-        f"memory read {meta['memory_read_gb_s']:.1f} GB/s (a float32 sum over 1 GiB on every core, best of 5, median "
-        f"over rounds); weights in the file {meta['weight_bytes'] / 1e6:.0f} MB: single-stream limit "
-        f"{meta['bandwidth_limit_tok_s']:.1f} tok/s, each weight read once per token"
+        f"memory read {meta['memory_read_gb_s']:.1f} GB/s, {low:.1f}–{high:.1f} (a float32 sum over 1 GiB on every "
+        f"core, best of 5, just before and after each single-stream run; each share is against the bandwidth "
+        f"around its own run); weights in the file {meta['weight_bytes'] / 1e6:.0f} MB: single-stream limit at the "
+        f"median {meta['bandwidth_limit_tok_s']:.1f} tok/s, each weight read once per token"
     )
 
 

@@ -206,16 +206,13 @@ def _interleave(
     cache_dir: str | None,
     weights_file: str | None,
 ) -> list[float]:
-    """Round after round, each system in turn while the others stay idle: A B (C ...) A B (C ...). Each round starts
-    by measuring the memory read bandwidth, when there is a GGUF file's bytes to set a limit with (and no
-    --no-bandwidth); returns those GB/s figures."""
-    read_gb_s = []
+    """Round after round, each system in turn while the others stay idle: A B (C ...) A B (C ...). Where there is a
+    GGUF file's bytes to set a limit with (and no --no-bandwidth), each server's pass measures the memory read
+    bandwidth just before and just after its single-stream runs; returns every figure measured."""
+    measure = not args.no_bandwidth and weights_file is not None and weights_file.endswith(".gguf")
     for r in range(rounds):
-        if not args.no_bandwidth and weights_file is not None and weights_file.endswith(".gguf"):
-            _progress(f"round {r + 1}/{rounds}: memory read bandwidth")
-            read_gb_s.append(bandwidth.measure_read_gb_s())
         for name, url in targets:
-            systems[name]["passes"].append(_one_pass(name, url, settings, r, rounds))
+            systems[name]["passes"].append(_one_pass(name, url, settings, r, rounds, measure))
         for dtype in args.hf_dtype if args.transformers else ():
             _progress(f"round {r + 1}/{rounds}: transformers {dtype} (in a subprocess)")
             try:
@@ -226,13 +223,21 @@ def _interleave(
                 _progress(f"transformers {dtype} left out: {exc}")
                 continue
             systems.setdefault(HF_NAMES[dtype], {"passes": []})["passes"].append(figures)
-    return read_gb_s
+    return [gb_s for system in systems.values() for one_pass in system["passes"] for gb_s in _pass_gb_s(one_pass)]
 
 
-def _one_pass(name: str, url: str, settings: LoadSettings, r: int, rounds: int) -> dict[str, Any]:
-    _progress(f"round {r + 1}/{rounds}: {name} at {url}")
+def _pass_gb_s(one_pass: dict[str, Any]) -> list[float]:
+    """The memory read bandwidth measured around a server pass's single-stream runs (none for other passes)."""
+    single = one_pass.get("single") or {}
+    return list(single.get("memory_read_gb_s") or [])
+
+
+def _one_pass(name: str, url: str, settings: LoadSettings, r: int, rounds: int, measure: bool) -> dict[str, Any]:
+    around = " (memory read bandwidth before and after its single stream)" if measure else ""
+    _progress(f"round {r + 1}/{rounds}: {name} at {url}{around}")
     started = time.perf_counter()
-    result = asyncio.run(bench_url(url, settings))
+    read = bandwidth.measure_read_gb_s if measure else None
+    result = asyncio.run(bench_url(url, settings, read_bandwidth=read))
     result["pass_s"] = time.perf_counter() - started
     return result
 
@@ -246,7 +251,7 @@ def _results(
     read_gb_s: list[float],
 ) -> dict[str, Any]:
     figures = {name: system_figures(system) for name, system in systems.items()}
-    machine = _bandwidth_limit(figures, weights_file, read_gb_s)
+    machine = _bandwidth_limit(figures, systems, weights_file, read_gb_s)
     concurrency = sorted(set(settings.concurrency) | ({args.hf_batch} if args.transformers else set()))
     meta = {
         "command": _command_line(),
@@ -267,21 +272,46 @@ def _results(
 
 
 def _bandwidth_limit(
-    figures: dict[str, Figures], weights_file: str | None, read_gb_s: list[float]
-) -> dict[str, float | int]:
-    """The measured bandwidth and the file's weight bytes (for meta), and each system's single-stream share of the
-    limit they set, added to its figures."""
+    figures: dict[str, Figures],
+    systems: dict[str, dict[str, Any]],
+    weights_file: str | None,
+    read_gb_s: list[float],
+) -> dict[str, Any]:
+    """The measured bandwidth (the median, and the range it drifted over) and the file's weight bytes, for meta; and
+    each system's single-stream share of the limit, added to its figures: per pass, its decode against the limit of
+    the bandwidth measured around it, then the median over passes (a pass without its own measurement, the
+    transformers baseline's, against the run's median)."""
     if not read_gb_s or weights_file is None:
         return {}
     gb_s = statistics.median(read_gb_s)
     weight_bytes = bandwidth.gguf_weight_bytes(weights_file)
     limit = bandwidth.limit_tok_s(gb_s, weight_bytes)
     for name, system in figures.items():
+        shares = [
+            share
+            for one_pass in systems.get(name, {}).get("passes", [])
+            if (share := _pass_share(one_pass, weight_bytes)) is not None
+        ]
         decode = system.get("decode_tok_s")
-        system["bandwidth_share"] = decode / limit if decode is not None else None
+        system["bandwidth_share"] = (
+            statistics.median(shares) if shares else decode / limit if decode is not None else None
+        )
         if name in PEERS:  # llama.cpp multiplies with the file's own quantised blocks: it reads what the file holds
             system.setdefault("weights_read_mb", weight_bytes / 1e6)
-    return {"memory_read_gb_s": gb_s, "weight_bytes": weight_bytes, "bandwidth_limit_tok_s": limit}
+    return {
+        "memory_read_gb_s": gb_s,
+        "memory_read_gb_s_range": [min(read_gb_s), max(read_gb_s)],
+        "weight_bytes": weight_bytes,
+        "bandwidth_limit_tok_s": limit,
+    }
+
+
+def _pass_share(one_pass: dict[str, Any], weight_bytes: int) -> float | None:
+    """A server pass's single-stream decode over the limit set by the bandwidth measured around it."""
+    measured, decode = _pass_gb_s(one_pass), (one_pass.get("single") or {}).get("decode_tok_s")
+    if not measured or decode is None:
+        return None
+    return float(decode / bandwidth.limit_tok_s(statistics.fmean(measured), weight_bytes))
 
 
 def _command_line() -> str:
