@@ -209,9 +209,10 @@ static int64_t row_bytes_of(int type, int64_t k) {
 
 #define GROUP GGUF_GROUP /* columns per group (16) */
 /* Bytes ahead of the sub-block in use that each thread asks the memory for, into L2 (prefetcht1), a line at a time as
- * it goes: the weights are one sequential stream per thread, and without the hint the rows' compute and the stream
- * alternate rather than overlap. Into L1 (prefetcht0) the requests hold the core's few L1 fill buffers, and the types
- * with more decoding per byte than Q8_0 streamed at a fifth less (the README has the figures; 4 to 32 KiB alike) */
+ * it goes, in a pass of two rows or more (a single row's pass goes without: packed_group_row): the weights are one
+ * sequential stream per thread, and without the hint the rows' compute and the stream alternate rather than overlap.
+ * Into L1 (prefetcht0) the requests hold the core's few L1 fill buffers, and the types with more decoding per byte
+ * than Q8_0 streamed at a fifth less (the README has the figures; 4 to 32 KiB alike) */
 #define PREFETCH_AHEAD 8192
 #define ROW_CHUNK 64 /* rows per pass over a group's weights: their accumulators stay in L1 */
 #define CLAIM_GROUPS 4 /* groups a thread claims at a time: few enough to even out the end, many enough to keep each
@@ -677,19 +678,20 @@ ALWAYS_INLINE void rows_update(int type, const ivec *vec, const ivec *mag, facto
  * one_row_sums decoding each vector as its products come, the accumulators in registers. A loop of its own rather
  * than a branch in packed_group's: there the accumulators live in memory beside the rows' and Q6_K's one-row calls ran
  * at half the speed (kernel_speed.py). The same sums and float step as a row among many: the same bits. Block b of
- * the row is at x + b * m, m the batch's rows (its blocks lie among the other rows'). */
+ * the row is at x + b * m, m the batch's rows (its blocks lie among the other rows'). No prefetch hints: one row
+ * consumes the stream fast enough for the CPU's own stream prefetcher, and asking for the lines ahead as well
+ * (PREFETCH_AHEAD) held the pass at five sixths of the memory's speed whenever the memory was fast (the README has
+ * the figures). */
 ALWAYS_INLINE void packed_group_row(int type, const uint8_t *w, const xblock *x, int64_t nb, int64_t m, fvec *res) {
     const int S = is_k(type) ? 8 : 1;
     const int64_t unit = packed_unit_bytes(type);
     fvec acc = fv_zero(), mins = fv_zero();
-    const char *ahead = (const char *)w + PREFETCH_AHEAD;
     for (int64_t u = 0; u < nb / S; u++) {
         const uint8_t *blk = w + u * unit;
         fvec d = fv_fp16(blk);
         const uint8_t *codes = blk + codes_at(type);
         for (int j = 0; j < S; j++) {
             factors f = sub_block_factors(type, blk, d, j);
-            prefetch_through(&ahead, codes + (j + 1) * code_bytes(type));
             const xblock *xb = x + (u * S + j) * m;
             ivec sum, half;
             one_row_sums(type, codes + j * code_bytes(type), NULL, NULL, xb, &sum, &half);
@@ -998,10 +1000,11 @@ int gguf_matmul(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, in
     int64_t group_bytes = nb / (is_k(type) ? 8 : 1) * packed_unit_bytes(type);
 #pragma omp parallel num_threads(threads)
     {
-    /* each thread asks for its share's first window of weights while the rows are quantised */
+    /* each thread asks for its share's first window of weights while the rows are quantised (not for one row: see
+     * packed_group_row) */
     int64_t thread = omp_get_thread_num();
     int64_t first = share_start(groups, thread, threads), last = share_start(groups, thread + 1, threads);
-    for (int64_t at = 0; first < last && at < PREFETCH_AHEAD; at += 64)
+    for (int64_t at = 0; m > 1 && first < last && at < PREFETCH_AHEAD; at += 64)
         _mm_prefetch((const char *)w + first * group_bytes + at, _MM_HINT_T1);
     quantize_rows(x_in, x_stride, m, k, x, (block_layout){1, code_offset(type), type == Q4_K || type == Q5_K});
 #if defined(WITH_AMX)
