@@ -54,8 +54,7 @@ def test_each_pass_is_held_to_the_bandwidth_measured_around_it(tmp_path: Path) -
         "b": {"passes": [_server_pass(20.0, [20.0, 20.0])]},
     }
     figures: dict[str, dict[str, float | None]] = {"a": {"decode_tok_s": 45.0}, "b": {"decode_tok_s": 20.0}}
-    read_gb_s = [gb for name in systems for one_pass in systems[name]["passes"] for gb in run._pass_gb_s(one_pass)]
-    meta = run._bandwidth_limit(figures, systems, path, read_gb_s)
+    meta = run._bandwidth_limit(figures, systems, path)
     assert meta == {
         "memory_read_gb_s": 20.0,  # the median of every figure
         "memory_read_gb_s_range": [10.0, 34.0],
@@ -70,11 +69,16 @@ def test_each_pass_is_held_to_the_bandwidth_measured_around_it(tmp_path: Path) -
 def test_a_pass_without_its_own_measurement_is_held_to_the_runs_median(tmp_path: Path) -> None:
     path = str(write_tiny_gguf(tmp_path / "tiny.gguf"))
     limit = 20e9 / bandwidth.gguf_weight_bytes(path)
-    systems = {"a": {"passes": [{"decode_tok_s": 50.0, "batch": 4}]}, "b": {"passes": [_server_pass(1.0, None)]}}
+    systems = {
+        "a": {"passes": [{"decode_tok_s": 50.0, "batch": 4}]},  # the transformers baseline's pass: no measurement
+        "b": {"passes": [_server_pass(1.0, None)]},
+        "c": {"passes": [_server_pass(1.0, [10.0, 30.0]), _server_pass(1.0, [20.0, 20.0])]},  # the median: 20 GB/s
+    }
     figures: dict[str, dict[str, float | None]] = {"a": {"decode_tok_s": 50.0}, "b": {"decode_tok_s": None}}
-    run._bandwidth_limit(figures, systems, path, [10.0, 30.0, 20.0])
+    run._bandwidth_limit(figures, systems, path)
     assert figures["a"]["bandwidth_share"] == pytest.approx(50.0 / limit) and figures["b"]["bandwidth_share"] is None
-    assert run._bandwidth_limit({"a": {"decode_tok_s": 1.0}}, {}, path, []) == {}  # --no-bandwidth: none measured
+    unmeasured = {"b": {"passes": [_server_pass(1.0, None)]}}  # --no-bandwidth: none measured
+    assert run._bandwidth_limit({"b": {"decode_tok_s": 1.0}}, unmeasured, path) == {}
 
 
 def test_a_run_on_a_gguf_measures_around_each_single_stream_and_prints_the_limit(
@@ -129,6 +133,6 @@ def test_a_server_that_reports_its_weight_bytes_gets_them_in_the_table_and_a_pee
         "llama-server": run.system_figures({"passes": [theirs]}),
     }
     path = str(write_tiny_gguf(tmp_path / "tiny.gguf"))
-    run._bandwidth_limit(figures, {}, path, [20.0])
+    run._bandwidth_limit(figures, {"measured": {"passes": [_server_pass(1.0, [20.0, 20.0])]}}, path)
     assert figures["tokenmill"]["weights_read_mb"] == 270.0
     assert figures["llama-server"]["weights_read_mb"] == bandwidth.gguf_weight_bytes(path) / 1e6

@@ -93,12 +93,12 @@ def bench_external(args: argparse.Namespace) -> dict[str, Any]:
     sampler = RssSampler(args.server_pid).start() if args.server_pid else None
     try:
         targets, weights = [("server", args.url)], _weights_file(args)
-        read_gb_s = _interleave(args, targets, systems, settings, args.rounds or 1, args.model, args.cache_dir, weights)
+        _interleave(args, targets, systems, settings, args.rounds or 1, args.model, args.cache_dir, weights)
     finally:
         if sampler is not None:
             sampler.stop()
             systems["server"]["peak_rss_mb"] = sampler.peak_bytes / 2**20
-    return _results(args, settings, systems, args.model, weights, read_gb_s)
+    return _results(args, settings, systems, args.model, weights)
 
 
 def bench_managed(args: argparse.Namespace) -> dict[str, Any]:
@@ -121,12 +121,12 @@ def bench_managed(args: argparse.Namespace) -> dict[str, Any]:
             settings = _start_all(servers, systems, settings, args.start_timeout)
             targets = [(server.spec.name, server.url) for server in servers]
             weights = model_file or _weights_file(args)
-            read_gb_s = _interleave(args, targets, systems, settings, rounds, model_file, cache_dir, weights)
+            _interleave(args, targets, systems, settings, rounds, model_file, cache_dir, weights)
         finally:
             for server in servers:
                 server.stop()
                 systems[server.spec.name]["peak_rss_mb"] = server.peak_rss_mb
-    return _results(args, settings, systems, model_file, weights, read_gb_s)
+    return _results(args, settings, systems, model_file, weights)
 
 
 def _tokenmill_extra(args: argparse.Namespace) -> list[str]:
@@ -205,10 +205,10 @@ def _interleave(
     model_file: str | None,
     cache_dir: str | None,
     weights_file: str | None,
-) -> list[float]:
+) -> None:
     """Round after round, each system in turn while the others stay idle: A B (C ...) A B (C ...). Where there is a
     GGUF file's bytes to set a limit with (and no --no-bandwidth), each server's pass measures the memory read
-    bandwidth just before and just after its single-stream runs; returns every figure measured."""
+    bandwidth just before and just after its single-stream runs (kept in the pass, see _pass_gb_s)."""
     measure = not args.no_bandwidth and weights_file is not None and weights_file.endswith(".gguf")
     for r in range(rounds):
         for name, url in targets:
@@ -223,7 +223,6 @@ def _interleave(
                 _progress(f"transformers {dtype} left out: {exc}")
                 continue
             systems.setdefault(HF_NAMES[dtype], {"passes": []})["passes"].append(figures)
-    return [gb_s for system in systems.values() for one_pass in system["passes"] for gb_s in _pass_gb_s(one_pass)]
 
 
 def _pass_gb_s(one_pass: dict[str, Any]) -> list[float]:
@@ -248,10 +247,9 @@ def _results(
     systems: dict[str, dict[str, Any]],
     model: str | None,
     weights_file: str | None,
-    read_gb_s: list[float],
 ) -> dict[str, Any]:
     figures = {name: system_figures(system) for name, system in systems.items()}
-    machine = _bandwidth_limit(figures, systems, weights_file, read_gb_s)
+    machine = _bandwidth_limit(figures, systems, weights_file)
     concurrency = sorted(set(settings.concurrency) | ({args.hf_batch} if args.transformers else set()))
     meta = {
         "command": _command_line(),
@@ -275,13 +273,13 @@ def _bandwidth_limit(
     figures: dict[str, Figures],
     systems: dict[str, dict[str, Any]],
     weights_file: str | None,
-    read_gb_s: list[float],
 ) -> dict[str, Any]:
-    """The measured bandwidth (the median, and the range it drifted over) and the file's weight bytes, for meta; and
-    each system's single-stream share of the limit, added to its figures: per pass, its decode against the limit of
-    the bandwidth measured around it, then the median over passes (a pass without its own measurement, the
-    transformers baseline's, against the run's median)."""
-    if not read_gb_s or weights_file is None:
+    """The measured bandwidth (the median of every pass's figures, and the range they drifted over) and the file's
+    weight bytes, for meta; and each system's single-stream share of the limit, added to its figures: per pass, its
+    decode against the limit of the bandwidth measured around it, then the median over passes (a pass without its own
+    measurement, the transformers baseline's, against the run's median)."""
+    read_gb_s = [gb_s for system in systems.values() for one_pass in system["passes"] for gb_s in _pass_gb_s(one_pass)]
+    if not read_gb_s or weights_file is None:  # --no-bandwidth, or no GGUF file's bytes to set a limit with
         return {}
     gb_s = statistics.median(read_gb_s)
     weight_bytes = bandwidth.gguf_weight_bytes(weights_file)
