@@ -25,6 +25,8 @@ def test_the_measurement_is_a_finite_speed_and_leaves_torch_threads_as_they_were
     threads = torch.get_num_threads()
     gb_s = bandwidth.measure_read_gb_s(size_bytes=32 << 20, repeats=2, threads=1)
     assert 0 < gb_s < math.inf and torch.get_num_threads() == threads
+    again = bandwidth.measure_read_gb_s(repeats=2, threads=1, over=torch.ones(8 << 20))  # a tensor kept for the loop
+    assert 0 < again < math.inf and torch.get_num_threads() == threads
 
 
 @pytest.mark.parametrize("quantize", [False, True])

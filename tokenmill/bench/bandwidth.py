@@ -12,19 +12,28 @@ from __future__ import annotations
 
 import math
 import time
+from typing import TYPE_CHECKING
 
 from tokenmill.bench.servers import cpu_cores
+
+if TYPE_CHECKING:
+    import torch
 
 READ_BYTES = 1 << 30  # far past every cache, so the sum streams from memory
 REPEATS = 5
 
 
-def measure_read_gb_s(size_bytes: int = READ_BYTES, repeats: int = REPEATS, threads: int | None = None) -> float:
+def measure_read_gb_s(
+    size_bytes: int = READ_BYTES, repeats: int = REPEATS, threads: int | None = None, over: torch.Tensor | None = None
+) -> float:
     """GB/s (10⁹ bytes) of the fastest of `repeats` sums over a `size_bytes` float32 tensor, on `threads` threads
-    (default: every core, as the servers run)."""
+    (default: every core, as the servers run). `over`: a float32 tensor already written to sum instead, for a loop
+    that measures again and again (a new one is a gigabyte of pages to back each time)."""
     import torch
 
-    x = torch.ones(size_bytes // 4, dtype=torch.float32)  # written once: every page is backed before timing
+    x = (
+        over if over is not None else torch.ones(size_bytes // 4, dtype=torch.float32)
+    )  # every page backed before timing
     previous = torch.get_num_threads()
     torch.set_num_threads(threads or cpu_cores())
     try:
