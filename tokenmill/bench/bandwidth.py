@@ -31,9 +31,8 @@ def measure_read_gb_s(
     that measures again and again (a new one is a gigabyte of pages to back each time)."""
     import torch
 
-    x = (
-        over if over is not None else torch.ones(size_bytes // 4, dtype=torch.float32)
-    )  # every page backed before timing
+    # written before timing, so that every page is backed
+    x = over if over is not None else torch.ones(size_bytes // 4, dtype=torch.float32)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads or cpu_cores())
     try:
