@@ -150,6 +150,14 @@ def test_the_avx2_build_gives_the_same_bits(tmp_path: Path) -> None:
             ops.gguf_matmul(x[:m], int(t), w, 48, mine)
             assert avx2.gguf_matmul(x.data_ptr(), k, m, k, int(t), w.data_ptr(), 48, theirs.data_ptr(), 48, 1, 2) == 0
             assert torch.equal(mine, theirs), (t.name, m)
+        mine_gated, theirs_gated = (
+            ops.gguf_matmul_gated(x, int(t), w, 16, True),
+            torch.empty(6, 16, dtype=torch.bfloat16),
+        )
+        status = avx2.gguf_matmul_gated(
+            x.data_ptr(), k, 6, k, int(t), w.data_ptr(), 16, theirs_gated.data_ptr(), 16, 1, 2
+        )
+        assert status == 0 and torch.equal(mine_gated, theirs_gated), t.name
 
 
 def test_input_rows_may_be_strided() -> None:
@@ -159,6 +167,33 @@ def test_input_rows_may_be_strided() -> None:
     ops.gguf_matmul(wide[:, k:], int(T.Q8_0), packed, 48, out)
     ops.gguf_matmul(wide[:, k:].contiguous(), int(T.Q8_0), packed, 48, expected)
     assert torch.equal(out, expected)
+
+
+def gated_reference(x: torch.Tensor, t: int, packed: torch.Tensor, f: int, gelu: bool) -> torch.Tensor:
+    """The two passes the gated one replaces: the (M, 2f) bf16 products, then gelu_mul or silu_mul."""
+    products = torch.empty(x.shape[0], 2 * f, dtype=torch.bfloat16)
+    ops.gguf_matmul(x, t, packed, 2 * f, products)
+    return (ops.gelu_mul if gelu else ops.silu_mul)(products)
+
+
+@pytest.mark.skipif(not ops.gelu_mul_available(), reason="no activation kernels here")
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("gelu", [True, False], ids=["gelu", "silu"])
+def test_the_gated_pass_gives_the_bits_of_the_product_then_the_activation(t: T, gelu: bool) -> None:
+    raw, k = weights(t, n=96)  # the gate's 48 columns, then the up's 48
+    packed = ops.gguf_repack(raw, int(t), k)
+    x = activations(67, k).to(torch.bfloat16)
+    for m in (1, 5, 16, 67):  # one row's own pass, a few rows, a row chunk of 64 and more
+        got = ops.gguf_matmul_gated(x[:m], int(t), packed, 48, gelu)
+        assert torch.equal(got, gated_reference(x[:m], int(t), packed, 48, gelu)), (m, got.shape)
+
+
+@pytest.mark.skipif(not ops.gelu_mul_available(), reason="no activation kernels here")
+def test_the_gated_pass_takes_only_whole_groups_of_16() -> None:
+    raw, k = weights(T.Q8_0, n=80)
+    packed = ops.gguf_repack(raw, int(T.Q8_0), k)
+    with pytest.raises(ValueError, match="a multiple of 16"):
+        ops.gguf_matmul_gated(activations(2, k).to(torch.bfloat16), int(T.Q8_0), packed, 40, True)
 
 
 AMX = ops.gguf_matmul_available() and ops.gguf_amx()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as T
 
 from tests.engine.tiny import run_all, tiny_model
 from tests.model.families import BY_NAME, write_gguf, write_hf_model
@@ -140,6 +141,26 @@ def test_every_llama_family_layer_takes_the_c_path_and_computes_what_the_modules
     monkeypatch.setattr(LlamaDecoderLayer, "c_layer", False)
     assert torch.equal(model.forward_dense(IDS), in_c)
     assert _greedy_run(native_model(path, tmp_path / "cache")) == in_c_run
+
+
+@pytest.mark.parametrize("name", ["gemma3", "llama"])
+def test_gate_and_up_of_one_type_take_the_gated_pass_with_the_modules_bits(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every matrix of one type: gate and up are one part, and the layer multiplies and activates in one pass
+    (gguf_matmul_gated: gelu for Gemma, silu for Llama), where the mixed files above take two."""
+    if name == "gemma3":
+        path, kind = write_tiny_gguf(tmp_path / "q5.gguf", quantize=[T.Q5_0]), Gemma3DecoderLayer
+    else:
+        family = BY_NAME[name]
+        path = write_gguf(tmp_path / "q5.gguf", family, write_hf_model(tmp_path / name, family), quantize=[T.Q5_0])
+        kind = LlamaDecoderLayer
+    model = native_model(path, tmp_path / "cache")
+    plans = [layer.c_plan() for layer in model.model.layers]
+    assert all(plan is not None and plan.gate_up.parts == 1 for plan in plans)
+    in_c = model.forward_dense(IDS)
+    monkeypatch.setattr(kind, "c_layer", False)
+    assert torch.equal(model.forward_dense(IDS), in_c)
 
 
 def test_qwen3s_head_norms_keep_the_modules(tmp_path: Path) -> None:

@@ -34,6 +34,24 @@ static int project(const gguf_linear *linear, const uint16_t *x, int64_t t, uint
     return 0;
 }
 
+/* act (t, ffn) bf16 = the gated MLP's activations of x (t, gate_up.k): gelu_tanh (gelu != 0) or silu of the gate's
+ * products times the up's. Where gate_up is one part (both halves of one type) the product and the activation are one
+ * pass (gguf_matmul_gated); otherwise the products go to `products` (t, 2 ffn) and the activation is a pass of its
+ * own. The same bits either way. */
+static int gated_mlp(const gguf_linear *gate_up, const uint16_t *x, int64_t t, int64_t ffn, uint16_t *products,
+                     uint16_t *act, int gelu, int threads) {
+    const gguf_part *p = &gate_up->part[0];
+    int status;
+    if (gate_up->parts == 1 && p->at == 0 && p->n == 2 * ffn) {
+        status = gguf_matmul_gated(x, gate_up->k, t, gate_up->k, (int)p->type, p->packed, ffn, act, ffn, gelu, threads);
+        if (status != -1) return status; /* -1: an ffn that is not a multiple of 16, or no activation kernels */
+    }
+    status = project(gate_up, x, t, products, threads);
+    if (status) return status;
+    (gelu ? gelu_mul : silu_mul)(products, 2 * ffn, t, ffn, act, threads);
+    return 0;
+}
+
 /* A layer's scratch rows, one allocation (h first, the rest after it): h holds the normed input, then o's
  * product, then the normed input again, then down's product */
 typedef struct {
@@ -105,8 +123,7 @@ int gemma3_layer(const decoder_layer_plan *p, const uint16_t *x, uint16_t *out, 
         add_rms_norm(x + at, s.h + at, p->post_attention_norm, out + at, 1, hidden, p->eps);
         rms_norm(out + at, hidden, p->pre_feedforward_norm, s.h + at, 1, hidden, p->eps);
     }
-    if ((status = project(&p->gate_up, s.h, t, s.gate_up, threads))) goto done;
-    gelu_mul(s.gate_up, 2 * ffn, t, ffn, s.act, threads);
+    if ((status = gated_mlp(&p->gate_up, s.h, t, ffn, s.gate_up, s.act, 1, threads))) goto done;
     if ((status = project(&p->down, s.act, t, s.h, threads))) goto done;
     ROWS_IN_PARALLEL
     for (int64_t r = 0; r < t; r++) /* in place: a row is read before it is written */
@@ -146,8 +163,7 @@ int llama_layer(const decoder_layer_plan *p, const uint16_t *x, uint16_t *out, i
     if ((status = project(&p->o, s.attn, t, s.h, threads))) goto done;
     add_rows(x, hidden, s.h, hidden, out, t, hidden);
     weighted_rms_norm(out, hidden, p->post_attention_norm, s.h, t, hidden, p->eps);
-    if ((status = project(&p->gate_up, s.h, t, s.gate_up, threads))) goto done;
-    silu_mul(s.gate_up, 2 * ffn, t, ffn, s.act, threads);
+    if ((status = gated_mlp(&p->gate_up, s.h, t, ffn, s.gate_up, s.act, 0, threads))) goto done;
     if ((status = project(&p->down, s.act, t, s.h, threads))) goto done;
     add_rows(out, hidden, s.h, hidden, out, t, hidden);
 done:

@@ -36,8 +36,15 @@ static inline v16 silu(v16 g) {
     return v16_div(numerator, v16_add(v16_set1(1.0f), e));
 }
 
-/* gate_up (rows, 2f) bf16, rows `stride` apart -> out (rows, f) bf16 contiguous, f % 16 == 0:
- * out = bf16(bf16(activation(gate)) * up), the activation gelu_tanh or silu (a constant where it is inlined) */
+/* 16 outputs: out = bf16(bf16(activation(gate)) * up), the activation gelu_tanh or silu (a constant where inlined) */
+static inline __attribute__((always_inline)) void gated16(const uint16_t *gate, const uint16_t *up, uint16_t *out,
+                                                          const int gelu) {
+    v16 x = v16_load_bf16(gate);
+    v16 activated = v16_round_bf16(gelu ? gelu_tanh(x) : silu(x));
+    v16_store_bf16(out, v16_mul(activated, v16_load_bf16(up)));
+}
+
+/* gate_up (rows, 2f) bf16, rows `stride` apart -> out (rows, f) bf16 contiguous, f % 16 == 0 */
 static inline __attribute__((always_inline)) void gated(const uint16_t *gate_up, int64_t stride, int64_t rows,
                                                         int64_t f, uint16_t *out, int threads, const int gelu) {
     int64_t per_row = f / 16;
@@ -45,10 +52,18 @@ static inline __attribute__((always_inline)) void gated(const uint16_t *gate_up,
     for (int64_t item = 0; item < rows * per_row; item++) {
         int64_t r = item / per_row, i = item % per_row * 16;
         const uint16_t *g = gate_up + r * stride + i;
-        v16 x = v16_load_bf16(g);
-        v16 activated = v16_round_bf16(gelu ? gelu_tanh(x) : silu(x));
-        v16_store_bf16(out + r * f + i, v16_mul(activated, v16_load_bf16(g + f)));
+        gated16(g, g + f, out + r * f + i, gelu);
     }
+}
+
+int gated_block(const uint16_t *gate, const uint16_t *up, int64_t rows, uint16_t *out, int64_t ldo, int gelu) {
+    for (int64_t r = 0; r < rows; r++) {
+        if (gelu)
+            gated16(gate + 16 * r, up + 16 * r, out + r * ldo, 1);
+        else
+            gated16(gate + 16 * r, up + 16 * r, out + r * ldo, 0);
+    }
+    return 0;
 }
 
 void gelu_mul(const uint16_t *gate_up, int64_t stride, int64_t rows, int64_t f, uint16_t *out, int threads) {
@@ -67,5 +82,9 @@ void gelu_mul(const uint16_t *gate_up, int64_t stride, int64_t rows, int64_t f, 
 }
 void silu_mul(const uint16_t *gate_up, int64_t stride, int64_t rows, int64_t f, uint16_t *out, int threads) {
     (void)gate_up, (void)stride, (void)rows, (void)f, (void)out, (void)threads;
+}
+int gated_block(const uint16_t *gate, const uint16_t *up, int64_t rows, uint16_t *out, int64_t ldo, int gelu) {
+    (void)gate, (void)up, (void)rows, (void)out, (void)ldo, (void)gelu;
+    return -1;
 }
 #endif

@@ -981,15 +981,31 @@ static void group_product(int type, const uint8_t *w, const xblock *x, int64_t n
     }
 }
 
-/* x: M rows of K bf16 inputs, x_stride apart; w: N columns repacked by gguf_repack; out: (M, ldo) bf16, or float32
- * if float_out, its columns [0, N) written. The rows are quantised first (as gguf_quantize_rows does), into a
- * scratch of M * K / 32 blocks, block-major (each block's rows side by side, as a group's pass reads them). Returns
- * 0, -1 for a type or width it does not take, -2 without memory. */
-int gguf_matmul(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, int type, const uint8_t *w, int64_t n,
-                void *out, int64_t ldo, int float_out, int threads) {
+/* What a unit of work writes: plain products (a group's 16 columns of out), or a gated MLP's activations (a pair of
+ * groups, `gated` gelu or silu: group g of the gate's columns and group g of the up's, the part's two halves, their
+ * products into the thread's scratch `pair` as bf16 and then gated_block's 16 columns of out) */
+enum { PLAIN = 0, GATED_GELU = 1, GATED_SILU = 2 };
+
+static void unit_product(int type, const uint8_t *w, int64_t group_bytes, const xblock *x, int64_t nb, int64_t m,
+                         int64_t n, int64_t u, void *out, int64_t ldo, int float_out, int gated, uint16_t *pair,
+                         uint8_t *decoded, int amx) {
+    if (gated == PLAIN) {
+        group_product(type, w + u * group_bytes, x, nb, m, n, u, out, ldo, float_out, decoded, amx);
+        return;
+    }
+    int64_t half = n / 2 / GROUP; /* the gate's groups, then as many of the up's */
+    group_product(type, w + u * group_bytes, x, nb, m, GROUP, 0, pair, GROUP, 0, decoded, amx);
+    group_product(type, w + (half + u) * group_bytes, x, nb, m, GROUP, 0, pair + m * GROUP, GROUP, 0, decoded, amx);
+    gated_block(pair, pair + m * GROUP, m, (uint16_t *)out + u * GROUP, ldo, gated == GATED_GELU);
+}
+
+/* gguf_matmul, or gguf_matmul_gated where `gated` says which activation: the rows quantised once, then the units
+ * (groups, or pairs of groups) shared out among the threads */
+static int matmul(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, int type, const uint8_t *w, int64_t n,
+                  void *out, int64_t ldo, int float_out, int gated, int threads) {
     if (gguf_packed_bytes(type, n, k) < 0) return -1;
     if (threads < 1) threads = 1;
-    int64_t nb = k / 32, groups = (n + GROUP - 1) / GROUP;
+    int64_t nb = k / 32, units = gated ? n / 2 / GROUP : (n + GROUP - 1) / GROUP;
 #if defined(WITH_AMX)
     const int amx = m >= TILE_ROWS && amx_takes(type) && amx_ready();
     /* each thread's decoding of a group's codes (all but Q8_0, whose codes the tiles take as stored) */
@@ -1000,20 +1016,22 @@ int gguf_matmul(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, in
 #endif
     xblock *x = malloc((size_t)(m * nb) * sizeof *x + 64);
     group_claims *claims = aligned_alloc(64, (size_t)threads * sizeof *claims);
-    if (x == NULL || claims == NULL) {
+    uint16_t *pairs = gated ? malloc((size_t)(threads * m * 2 * GROUP) * sizeof *pairs) : NULL;
+    if (x == NULL || claims == NULL || (gated && pairs == NULL)) {
         free(x);
         free(claims);
+        free(pairs);
         free(decoding);
         return -2;
     }
-    for (int64_t t = 0; t < threads; t++) claims[t].next = share_start(groups, t, threads);
+    for (int64_t t = 0; t < threads; t++) claims[t].next = share_start(units, t, threads);
     int64_t group_bytes = nb / (is_k(type) ? 8 : 1) * packed_unit_bytes(type);
 #pragma omp parallel num_threads(threads)
     {
     /* each thread asks for its share's first window of weights while the rows are quantised (not for one row: see
      * packed_group_row) */
     int64_t thread = omp_get_thread_num();
-    int64_t first = share_start(groups, thread, threads), last = share_start(groups, thread + 1, threads);
+    int64_t first = share_start(units, thread, threads), last = share_start(units, thread + 1, threads);
     for (int64_t at = 0; m > 1 && first < last && at < PREFETCH_AHEAD; at += 64)
         _mm_prefetch((const char *)w + first * group_bytes + at, _MM_HINT_T1);
     quantize_rows(x_in, x_stride, m, k, x, (block_layout){1, code_offset(type), type == Q4_K || type == Q5_K});
@@ -1024,12 +1042,13 @@ int gguf_matmul(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, in
     uint8_t *decoded = NULL;
     const int amx = 0;
 #endif
+    uint16_t *pair = pairs ? pairs + thread * m * 2 * GROUP : NULL;
     /* its own share first, then what is left of the others' (a team smaller than asked for leaves whole shares) */
     for (int64_t v = 0; v < threads; v++) {
-        int64_t owner = (thread + v) % threads, end = share_start(groups, owner + 1, threads), claim;
+        int64_t owner = (thread + v) % threads, end = share_start(units, owner + 1, threads), claim;
         while ((claim = __atomic_fetch_add(&claims[owner].next, CLAIM_GROUPS, __ATOMIC_RELAXED)) < end)
-            for (int64_t g = claim; g < claim + CLAIM_GROUPS && g < end; g++)
-                group_product(type, w + g * group_bytes, x, nb, m, n, g, out, ldo, float_out, decoded, amx);
+            for (int64_t u = claim; u < claim + CLAIM_GROUPS && u < end; u++)
+                unit_product(type, w, group_bytes, x, nb, m, n, u, out, ldo, float_out, gated, pair, decoded, amx);
     }
 #if defined(WITH_AMX)
     if (amx) _tile_release();
@@ -1037,8 +1056,31 @@ int gguf_matmul(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, in
     }
     free(x);
     free(claims);
+    free(pairs);
     free(decoding);
     return 0;
+}
+
+/* x: M rows of K bf16 inputs, x_stride apart; w: N columns repacked by gguf_repack; out: (M, ldo) bf16, or float32
+ * if float_out, its columns [0, N) written. The rows are quantised first (as gguf_quantize_rows does), into a
+ * scratch of M * K / 32 blocks, block-major (each block's rows side by side, as a group's pass reads them). Returns
+ * 0, -1 for a type or width it does not take, -2 without memory. */
+int gguf_matmul(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, int type, const uint8_t *w, int64_t n,
+                void *out, int64_t ldo, int float_out, int threads) {
+    return matmul(x_in, x_stride, m, k, type, w, n, out, ldo, float_out, PLAIN, threads);
+}
+
+/* A gated MLP's first projection and its activation in one pass: w holds the gate's f columns and then the up's (one
+ * part, 2f wide, f a multiple of 16); out (M, ldo) bf16 gets f columns, bf16(bf16(act(gate)) * up) with gelu_tanh
+ * (gelu != 0) or silu, act(gate) and up being the bf16 products gguf_matmul would write. The same bits as
+ * gguf_matmul into (M, 2f) then gelu_mul or silu_mul, without writing the 2f products out and reading them back, or
+ * a pass of its own for the activation. Returns as gguf_matmul does, -1 also for an f that is not a multiple of 16
+ * or where the activation kernels are not compiled in. */
+int gguf_matmul_gated(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, int type, const uint8_t *w,
+                      int64_t f, uint16_t *out, int64_t ldo, int gelu, int threads) {
+    uint16_t probe = 0;
+    if (f <= 0 || f % GROUP || gated_block(&probe, &probe, 0, &probe, 0, gelu) != 0) return -1;
+    return matmul(x_in, x_stride, m, k, type, w, 2 * f, out, ldo, 0, gelu ? GATED_GELU : GATED_SILU, threads);
 }
 
 #else /* neither AVX-512 VNNI nor AVX2 (with F16C), or no OpenMP: linear.py keeps the torch path */
@@ -1062,6 +1104,12 @@ int gguf_repack(int type, const uint8_t *w, int64_t n, int64_t k, uint8_t *out, 
 int gguf_matmul(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, int type, const uint8_t *w, int64_t n,
                 void *out, int64_t ldo, int float_out, int threads) {
     (void)x, (void)x_stride, (void)m, (void)k, (void)type, (void)w, (void)n, (void)out, (void)ldo, (void)float_out;
+    (void)threads;
+    return -1;
+}
+int gguf_matmul_gated(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, int type, const uint8_t *w,
+                      int64_t f, uint16_t *out, int64_t ldo, int gelu, int threads) {
+    (void)x, (void)x_stride, (void)m, (void)k, (void)type, (void)w, (void)f, (void)out, (void)ldo, (void)gelu;
     (void)threads;
     return -1;
 }

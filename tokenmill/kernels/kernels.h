@@ -48,6 +48,8 @@ int gguf_repack_all(int64_t count, const int *types, const uint8_t *const *ws, c
                     uint8_t *const *outs, const int64_t *release, int threads);
 int gguf_matmul(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, int type, const uint8_t *w, int64_t n,
                 void *out, int64_t ldo, int float_out, int threads);
+int gguf_matmul_gated(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, int type, const uint8_t *w,
+                      int64_t f, uint16_t *out, int64_t ldo, int gelu, int threads);
 /* Whether gguf_matmul multiplies on AMX tiles (compiled in, granted by the OS, and wanted); enable 0 or 1 sets the
  * wanting (the tests compare both paths), -1 only asks */
 int gguf_amx(int enable);
@@ -63,6 +65,9 @@ int argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out, int threa
 int gelu_mul_available(void); /* and silu_mul's, compiled with it */
 void gelu_mul(const uint16_t *gate_up, int64_t stride, int64_t rows, int64_t f, uint16_t *out, int threads);
 void silu_mul(const uint16_t *gate_up, int64_t stride, int64_t rows, int64_t f, uint16_t *out, int threads);
+/* gelu_mul's (gelu != 0) or silu_mul's arithmetic on `rows` rows of 16: gate and up (rows, 16) contiguous, out rows
+ * ldo apart; 0, or -1 where the activation kernels are not compiled in (gguf_matmul_gated's epilogue) */
+int gated_block(const uint16_t *gate, const uint16_t *up, int64_t rows, uint16_t *out, int64_t ldo, int gelu);
 
 /* decoder_layer.c: a Gemma 3 or a Llama-family layer on the bf16 + GGUF path in one call. Its plan mirrors
  * ops.DecoderLayerPlan (a ctypes Structure, the same fields in the same order; decoder_layer_plan_bytes lets Python

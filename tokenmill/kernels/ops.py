@@ -366,6 +366,34 @@ def gguf_matmul_into(x: torch.Tensor, out: torch.Tensor, ggml_type: int, packed:
         raise ValueError(f"gguf_matmul: ggml type {ggml_type} with rows of {k} is not a layout this kernel takes")
 
 
+def gguf_matmul_gated(x: torch.Tensor, ggml_type: int, packed: torch.Tensor, f: int, gelu: bool) -> torch.Tensor:
+    """x: (M, K) bf16 with contiguous rows @ a gated MLP's gate and up weights regrouped as one part (the gate's f
+    columns, then the up's) → (M, f) bf16, gelu_tanh (or silu) of the gate's products times the up's: the bits of
+    gguf_matmul into (M, 2f) followed by gelu_mul (or silu_mul), in one pass (the decoder layer's path)."""
+    m, k = x.shape
+    if x.stride(-1) != 1:
+        raise ValueError("gguf_matmul_gated: x (M, K) must have contiguous rows")
+    out = torch.empty(m, f, dtype=torch.bfloat16)
+    status = _lib().gguf_matmul_gated(
+        x.data_ptr(),
+        x.stride(0),
+        m,
+        k,
+        ggml_type,
+        packed.data_ptr(),
+        f,
+        out.data_ptr(),
+        f,
+        gelu,
+        torch.get_num_threads(),
+    )
+    if status == -2:
+        raise MemoryError(f"gguf_matmul_gated: no memory to quantise ({m}, {k}) inputs")
+    if status:
+        raise ValueError(f"gguf_matmul_gated: ggml type {ggml_type}, rows of {k}, f {f} (a multiple of 16) not taken")
+    return out
+
+
 class GgufPart(ctypes.Structure):
     """kernels.h's gguf_part: one part of a GgufLinear, writing columns [at, at + n) of its output."""
 
