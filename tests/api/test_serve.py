@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import signal
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -155,26 +154,8 @@ def test_serve_freezes_what_loading_left_before_the_server_runs(monkeypatch: pyt
     frozen_when_run: list[int] = []
     monkeypatch.setattr(serve_module.DrainingServer, "run", lambda self: frozen_when_run.append(gc.get_freeze_count()))
     monkeypatch.setattr(serve_module.prometheus_client, "disable_created_metrics", lambda: None)  # process-wide
-    interval = sys.getswitchinterval()
     try:
         assert serve_module.serve(create_app(FakeEngine(), Config()), Config()) == 0
         assert frozen_when_run and frozen_when_run[0] > 0
     finally:
-        sys.setswitchinterval(interval)
-        gc.unfreeze()
-
-
-def test_serve_bounds_how_long_the_engine_thread_waits_for_the_gil(monkeypatch: pytest.MonkeyPatch) -> None:
-    interval_when_run: list[float] = []
-    monkeypatch.setattr(
-        serve_module.DrainingServer, "run", lambda self: interval_when_run.append(sys.getswitchinterval())
-    )
-    monkeypatch.setattr(serve_module.prometheus_client, "disable_created_metrics", lambda: None)  # process-wide
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(0.005)  # Python's default
-    try:
-        assert serve_module.serve(create_app(FakeEngine(), Config()), Config()) == 0
-        assert interval_when_run == [pytest.approx(serve_module.GIL_SWITCH_INTERVAL_S)]
-    finally:
-        sys.setswitchinterval(before)
         gc.unfreeze()

@@ -16,7 +16,6 @@ import asyncio
 import logging
 import signal
 import socket
-import sys
 from collections.abc import Awaitable, Callable
 from types import FrameType
 
@@ -33,12 +32,6 @@ from tokenmill.engine.build import freeze_loaded_objects
 log = logging.getLogger(__name__)
 
 CANCEL_AFTER_GRACE_S = 1  # after the grace period, how long uvicorn waits before cancelling what still runs
-# How long a thread that wants the GIL waits before the holder is made to hand it over (Python's default: 5 ms). The
-# engine thread needs the GIL between its kernels (scheduling, sampling, the step's outputs), and each step's outputs
-# wake the event loop, which then runs Python for a while (every stream's frame, its socket write) just as the next
-# step starts: with the default the engine could wait that long, with both cores idle but the event loop's. The README
-# has the figures (16 streams on the default model); a shorter wait costs a thread that computes alone nothing.
-GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 class DrainingServer(uvicorn.Server):
@@ -109,7 +102,6 @@ def serve(app: FastAPI, config: Config) -> int:
         log_banner(url, app.state.engines.values(), with_key=bool(config.api_key))
 
     freeze_loaded_objects()  # the models are loaded and the app built: what is alive now stays
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     try:
         DrainingServer(uv_config, admission, config.shutdown_grace_s, lambda: stop_engines(app), banner).run()
     except KeyboardInterrupt:  # uvicorn re-raises a SIGINT once it has shut down; `uvicorn.run` swallows it too
