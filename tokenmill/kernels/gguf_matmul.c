@@ -136,11 +136,10 @@ typedef struct {
 /* rows (M, K), `stride` apart -> M * K / 32 blocks, laid out as `layout` says; shared out by block, so one row uses
  * both cores. Called inside a parallel region. */
 static void quantize_rows(const uint16_t *x, int64_t stride, int64_t m, int64_t k, xblock *out, block_layout layout) {
-    int64_t nb = k / 32, team = omp_get_num_threads(), me = omp_get_thread_num();
-    /* this thread's even share of the m * nb blocks, as schedule(static) would deal them; the row and block stepped
-     * along rather than divided out of the index each time (a 64-bit division per block was a third of its cost) */
-    int64_t first = m * nb * me / team, end = m * nb * (me + 1) / team, row = first / nb, b = first % nb;
-    for (int64_t i = first; i < end; i++) {
+    int64_t nb = k / 32;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < m * nb; i++) {
+        int64_t row = i / nb, b = i % nb;
         xblock *o = out + (layout.block_major ? b * m + row : i);
         quantize_block(x + row * stride + 32 * b, o);
         if (layout.offset) o->halves[0] = -layout.offset * o->sum;
@@ -148,9 +147,7 @@ static void quantize_rows(const uint16_t *x, int64_t stride, int64_t m, int64_t 
             float dsum = o->d * (float)o->sum;
             memcpy(&o->halves[1], &dsum, sizeof dsum);
         }
-        if (++b == nb) b = 0, row++;
     }
-#pragma omp barrier
 }
 
 int gguf_quantize_rows(const uint16_t *x, int64_t stride, int64_t m, int64_t k, void *out, int threads) {
