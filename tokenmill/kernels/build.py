@@ -86,7 +86,7 @@ SIGNATURES: dict[str, tuple[CType | None, list[CType]]] = {
     "argmax_rows": (_INT, [_PTR, _I64, _I64, _PTR, _INT]),
     "gelu_mul_available": (_INT, []),
     "gelu_mul": (None, [_PTR, _I64, _I64, _I64, _PTR, _INT]),
-    "gated_block": (_INT, [_PTR, _PTR, _I64, _PTR, _I64, _INT]),
+    "gated_block": (None, [_PTR, _PTR, _I64, _PTR, _I64, _INT]),
     "silu_mul": (None, [_PTR, _I64, _I64, _I64, _PTR, _INT]),
     "decoder_layer_plan_bytes": (_I64, []),
     "gemma3_layer": (_INT, [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT]),

@@ -56,14 +56,13 @@ static inline __attribute__((always_inline)) void gated(const uint16_t *gate_up,
     }
 }
 
-int gated_block(const uint16_t *gate, const uint16_t *up, int64_t rows, uint16_t *out, int64_t ldo, int gelu) {
+void gated_block(const uint16_t *gate, const uint16_t *up, int64_t rows, uint16_t *out, int64_t ldo, int gelu) {
     for (int64_t r = 0; r < rows; r++) {
         if (gelu)
             gated16(gate + 16 * r, up + 16 * r, out + r * ldo, 1);
         else
             gated16(gate + 16 * r, up + 16 * r, out + r * ldo, 0);
     }
-    return 0;
 }
 
 void gelu_mul(const uint16_t *gate_up, int64_t stride, int64_t rows, int64_t f, uint16_t *out, int threads) {
@@ -83,8 +82,7 @@ void gelu_mul(const uint16_t *gate_up, int64_t stride, int64_t rows, int64_t f, 
 void silu_mul(const uint16_t *gate_up, int64_t stride, int64_t rows, int64_t f, uint16_t *out, int threads) {
     (void)gate_up, (void)stride, (void)rows, (void)f, (void)out, (void)threads;
 }
-int gated_block(const uint16_t *gate, const uint16_t *up, int64_t rows, uint16_t *out, int64_t ldo, int gelu) {
+void gated_block(const uint16_t *gate, const uint16_t *up, int64_t rows, uint16_t *out, int64_t ldo, int gelu) {
     (void)gate, (void)up, (void)rows, (void)out, (void)ldo, (void)gelu;
-    return -1;
 }
 #endif

@@ -66,8 +66,8 @@ int gelu_mul_available(void); /* and silu_mul's, compiled with it */
 void gelu_mul(const uint16_t *gate_up, int64_t stride, int64_t rows, int64_t f, uint16_t *out, int threads);
 void silu_mul(const uint16_t *gate_up, int64_t stride, int64_t rows, int64_t f, uint16_t *out, int threads);
 /* gelu_mul's (gelu != 0) or silu_mul's arithmetic on `rows` rows of 16: gate and up (rows, 16) contiguous, out rows
- * ldo apart; 0, or -1 where the activation kernels are not compiled in (gguf_matmul_gated's epilogue) */
-int gated_block(const uint16_t *gate, const uint16_t *up, int64_t rows, uint16_t *out, int64_t ldo, int gelu);
+ * ldo apart (gguf_matmul_gated's epilogue, which checks gelu_mul_available first) */
+void gated_block(const uint16_t *gate, const uint16_t *up, int64_t rows, uint16_t *out, int64_t ldo, int gelu);
 
 /* decoder_layer.c: a Gemma 3 or a Llama-family layer on the bf16 + GGUF path in one call. Its plan mirrors
  * ops.DecoderLayerPlan (a ctypes Structure, the same fields in the same order; decoder_layer_plan_bytes lets Python
