@@ -208,3 +208,45 @@ def test_a_grammar_mask_keeps_only_its_tokens_and_is_undone() -> None:
         for s in range(50)
     }
     assert draws <= {4, 17, 33} and torch.equal(logits, WIDE)
+
+
+def hinted(logits: torch.Tensor, row_input: SampleInput) -> SampleInput:
+    """The row as the engine builds it where the LM head's pass found the raw argmax."""
+    row_input.argmax = int(logits.argmax())
+    return row_input
+
+
+def test_a_greedy_row_takes_the_heads_argmax_without_another_pass() -> None:
+    """The head's answer is trusted as it is: a (deliberately wrong) hint is what an untouched row chooses."""
+    logits = WIDE[:1].clone()
+    untouched = SampleInput(SamplingParams(temperature=0.0), None, {}, argmax=7)
+    assert sample(logits, [untouched])[0].token_id == 7
+    allowed = SampleInput(SamplingParams(temperature=0.0, allowed_token_ids=(3, 4)), None, {}, argmax=7)
+    assert sample(logits, [allowed])[0].token_id == max((3, 4), key=lambda t: float(WIDE[0, t]))  # no hint taken
+
+
+def test_the_heads_argmax_with_sparse_adjustments_gives_the_full_passes_choice() -> None:
+    """Bias, bans and penalties on a few ids: the choice from the raw argmax and those ids equals the argmax over the
+    whole adjusted row, ties (the first index wins) and the raw argmax itself being touched included."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randint(-4, 5, (1, 64), generator=g).float()  # many equal values
+    top = int(logits.argmax())
+    equal = [t for t in range(64) if float(logits[0, t]) == float(logits[0, top]) and t != top]
+    below = [t for t in range(64) if float(logits[0, t]) < float(logits[0, top])]
+    cases: list[dict[str, object]] = [
+        {"logit_bias": {below[0]: 100.0}},  # a touched id rises above the raw best
+        {"logit_bias": {below[0]: float(logits[0, top] - logits[0, below[0]])}},  # ... to equal it
+        {"logit_bias": {top: -100.0}},  # the raw best itself is touched: the full pass
+        {"logit_bias": {equal[0]: -1.0}},  # a tie of the raw best lowered
+        {"frequency_penalty": 1.5, "presence_penalty": 0.5},
+        {"repetition_penalty": 1.3},
+        {},
+    ]
+    for kw in cases:
+        for banned in ([], [below[1]], [top]):
+            params = SamplingParams(temperature=0.0, **kw)  # type: ignore[arg-type]
+            counts = {below[0]: 2, top: 1, equal[-1]: 1}
+            plain = SampleInput(params, None, counts, banned=banned, seen={top, *below[:3]})
+            expected = sample(logits.clone(), [plain])[0].token_id
+            hint = SampleInput(params, None, counts, banned=banned, seen={top, *below[:3]})
+            assert sample(logits.clone(), [hinted(logits[0], hint)])[0].token_id == expected, (kw, banned)

@@ -158,6 +158,13 @@ def test_the_avx2_build_gives_the_same_bits(tmp_path: Path) -> None:
             x.data_ptr(), k, 6, k, int(t), w.data_ptr(), 16, theirs_gated.data_ptr(), 16, 1, 2
         )
         assert status == 0 and torch.equal(mine_gated, theirs_gated), t.name
+        for m in (6, 1):
+            logits, argmax, finite = ops.gguf_matmul_logits(x[:m], int(t), w, 45)  # a partial last group
+            theirs, at, ok = torch.empty(m, 45), torch.empty(m, dtype=torch.int64), torch.empty(m, dtype=torch.int32)
+            status = avx2.gguf_matmul_logits(
+                x.data_ptr(), k, m, k, int(t), w.data_ptr(), 45, theirs.data_ptr(), 45, at.data_ptr(), ok.data_ptr(), 2
+            )
+            assert status == 0 and torch.equal(logits, theirs) and at.tolist() == argmax and ok.tolist() == finite
 
 
 def test_input_rows_may_be_strided() -> None:
@@ -194,6 +201,59 @@ def test_the_gated_pass_takes_only_whole_groups_of_16() -> None:
     packed = ops.gguf_repack(raw, int(T.Q8_0), k)
     with pytest.raises(ValueError, match="a multiple of 16"):
         ops.gguf_matmul_gated(activations(2, k).to(torch.bfloat16), int(T.Q8_0), packed, 40, True)
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n", [48, 45], ids=["whole-groups", "partial-group"])
+def test_the_logits_pass_finds_each_rows_argmax_and_finiteness(t: T, n: int) -> None:
+    raw, k = weights(t, n=n)
+    packed = ops.gguf_repack(raw, int(t), k)
+    x = activations(67, k).to(torch.bfloat16)
+    for m in (1, 5, 16, 67):  # one row's own pass, a few rows, a row chunk of 64 and more
+        logits, argmax, finite = ops.gguf_matmul_logits(x[:m], int(t), packed, n)
+        expected = torch.empty(m, n)
+        ops.gguf_matmul(x[:m], int(t), packed, n, expected)
+        assert torch.equal(logits, expected)
+        assert argmax == expected.argmax(dim=-1).tolist(), (m, argmax)
+        assert finite == [True] * m
+
+
+def test_the_logits_pass_takes_the_first_of_equal_largest_values_whatever_the_threads() -> None:
+    """Equal logits come from equal weight rows: the first column wins, whichever thread's claims found the others,
+    and whether the equals share a group of 16 (same lane or not) or lie groups apart."""
+    raw, k = weights(T.Q8_0, n=16 * 23 + 5)
+    x = activations(3, k).to(torch.bfloat16)
+    best = kernel(x, raw, int(T.Q8_0), k).argmax(dim=-1)
+    for copies in ([40, 200, 301, 372], [best[0] + 1, best[0] + 16], [0, 7, 364]):
+        tied = raw.clone()
+        for row in (int(b) for b in best):  # every row's winner copied to each place: equal top values
+            for at in copies:
+                tied[int(at) % raw.shape[0]] = raw[row]
+        packed, n = ops.gguf_repack(tied, int(T.Q8_0), k), tied.shape[0]
+        expected = kernel(x, tied, int(T.Q8_0), k).argmax(dim=-1).tolist()
+        threads = torch.get_num_threads()
+        try:
+            for count in (1, 2, 3, 8, 40):
+                torch.set_num_threads(count)
+                assert ops.gguf_matmul_logits(x, int(T.Q8_0), packed, n)[1] == expected, (copies, count)
+        finally:
+            torch.set_num_threads(threads)
+    same = raw[:1].repeat(45, 1)  # every column equal: column 0
+    _, argmax, _ = ops.gguf_matmul_logits(x, int(T.Q8_0), ops.gguf_repack(same, int(T.Q8_0), k), 45)
+    assert argmax == [0, 0, 0]
+
+
+def test_the_logits_pass_flags_a_row_that_is_not_finite_and_only_it() -> None:
+    raw, k = weights(T.Q6_K)
+    packed = ops.gguf_repack(raw, int(T.Q6_K), k)
+    for m, bad in ((1, 0), (5, 3), (20, 17)):
+        x = activations(m, k).to(torch.bfloat16)
+        x[bad, 9] = float("nan") if bad % 2 else float("inf")
+        logits, argmax, finite = ops.gguf_matmul_logits(x, int(T.Q6_K), packed, raw.shape[0])
+        assert finite == [r != bad for r in range(m)]
+        assert not logits[bad].isfinite().all()
+        good = [r for r in range(m) if r != bad]
+        assert [argmax[r] for r in good] == logits[good].argmax(dim=-1).tolist()
 
 
 AMX = ops.gguf_matmul_available() and ops.gguf_amx()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -130,3 +131,33 @@ def test_a_file_backed_weight_leaves_the_process_once_regrouped(tmp_path: Path) 
     x = activations(2, k).to(torch.bfloat16)
     assert torch.equal(layer(x), GgufLinear([GgufWeight(int(T.Q8_0), raw, k)])(x))
     assert torch.equal(mapped, raw)  # the mapping still reads the file
+
+
+@pytest.mark.skipif(not ops.gguf_matmul_available(), reason="the GGUF kernel is not built here")
+def test_the_heads_own_pass_reports_each_rows_argmax_and_finiteness(tmp_path: Path) -> None:
+    path = write_tiny_gguf(tmp_path / "mixed.gguf", quantize=MIXED)
+    model = native_model(path, tmp_path / "cache")
+    hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    hidden[3] = float("nan")
+    with torch.inference_mode():
+        logits, summary = model.compute_logits_summarised(hidden)
+        assert torch.allclose(logits, model.compute_logits(hidden), rtol=0, atol=0, equal_nan=True)  # the same bits
+    assert summary is not None and summary.finite == [True, True, True, False, True]
+    good = [0, 1, 2, 4]
+    assert [summary.argmax[i] for i in good] == logits[good].argmax(dim=-1).tolist()
+
+
+def test_a_head_without_the_kernels_pass_reports_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch fallback, and a soft-capped head (the cap's tanh comes after the product), leave the checks to the
+    sampler."""
+    path = write_tiny_gguf(tmp_path / "mixed.gguf", quantize=MIXED)
+    hidden = torch.randn(2, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    model = native_model(path, tmp_path / "cache")
+    model.config = dataclasses.replace(model.config, final_logit_softcapping=30.0)
+    with torch.inference_mode():
+        assert model.compute_logits_summarised(hidden[:, : model.config.hidden_size])[1] is None
+    monkeypatch.setattr(ops, "gguf_matmul_available", lambda: False)
+    fallback = native_model(path, tmp_path / "cache")
+    with torch.inference_mode():
+        logits, summary = fallback.compute_logits_summarised(hidden[:, : fallback.config.hidden_size])
+    assert summary is None and logits.shape == (2, fallback.config.vocab_size)

@@ -165,12 +165,13 @@ class EngineCore:
         to_sample = [(r, seq) for r, seq in to_sample if not seq.is_finished]
         if not to_sample:
             return
-        logits = gather_logits(self.runner, hidden, [r for r, _ in to_sample])  # (N, V)
-        for i in non_finite_rows(logits):  # fails its request alone; the rest of the batch samples as usual
+        logits, summary = gather_logits(self.runner, hidden, [r for r, _ in to_sample])  # (N, V)
+        for i in non_finite_rows(logits, summary):  # fails its request alone; the rest of the batch samples as usual
             self.fail(to_sample[i][1].request_id, "the model produced non-finite logits for this request")
+        argmax: list[int | None] = list(summary.argmax) if summary is not None else [None] * len(to_sample)
         keep = [i for i, (_, seq) in enumerate(to_sample) if not seq.is_finished]
         if len(keep) < len(to_sample):
-            to_sample, logits = [to_sample[i] for i in keep], logits[keep]
+            to_sample, logits, argmax = [to_sample[i] for i in keep], logits[keep], [argmax[i] for i in keep]
         inputs = [
             SampleInput(
                 seq.params,
@@ -179,8 +180,9 @@ class EngineCore:
                 seq.banned_ids(self.eos_ids),
                 seq.seen_ids,
                 seq.guided.allowed() if seq.guided is not None else None,
+                best,
             )
-            for _, seq in to_sample
+            for (_, seq), best in zip(to_sample, argmax)
         ]
         for (_, seq), result in zip(to_sample, sample_rows(logits, inputs)):
             if seq.is_finished:

@@ -9,7 +9,7 @@ import torch
 from tokenmill.engine.kv_cache import allocate_kv_tensors
 from tokenmill.engine.scheduler import Scheduled
 from tokenmill.model.attention import AttentionMetadata
-from tokenmill.model.causal_lm import CausalLM
+from tokenmill.model.causal_lm import CausalLM, HeadSummary
 from tokenmill.model.model_config import ModelConfig
 
 
@@ -32,6 +32,11 @@ class ModelRunner:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (N, hidden) → float32 logits (N, V)."""
         return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def logits_summarised(self, hidden: torch.Tensor) -> tuple[torch.Tensor, HeadSummary | None]:
+        """logits, with each row's argmax and finiteness where the head's own pass found them (a GGUF head)."""
+        return self.model.compute_logits_summarised(hidden)
 
     def prepare(self, batch: Seq[Scheduled]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         ids: list[int] = []

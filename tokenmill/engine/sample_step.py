@@ -9,30 +9,40 @@ decides which requests fail.
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 import torch
 
-from tokenmill.engine.prompt_logprobs import LogitsFn
 from tokenmill.engine.sampler import Sampled, SampleInput, sample
+from tokenmill.model.causal_lm import HeadSummary
 
 log = logging.getLogger(__name__)
 
 
-def gather_logits(runner: LogitsFn, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """(N, V) logits for the hidden-state rows `rows`, one per entry; each distinct row goes through the head once.
+class HeadFn(Protocol):
+    def logits_summarised(self, hidden: torch.Tensor) -> tuple[torch.Tensor, HeadSummary | None]: ...
+
+
+def gather_logits(runner: HeadFn, hidden: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, HeadSummary | None]:
+    """(N, V) logits for the hidden-state rows `rows`, one per entry, and what the head's own pass found in them
+    (each row's argmax and finiteness) where it found it; each distinct row goes through the head once.
 
     Forked choices repeat their parent's row: the head runs on the distinct rows and the repeats are copies.
     """
     distinct = sorted(set(rows))
-    logits = runner.logits(hidden[distinct])  # (R, V)
+    logits, summary = runner.logits_summarised(hidden[distinct])  # (R, V)
     if rows != distinct:
-        where = {r: i for i, r in enumerate(distinct)}
-        logits = logits[[where[r] for r in rows]]  # (N, V), a copy
-    return logits
+        where = [{r: i for i, r in enumerate(distinct)}[r] for r in rows]
+        logits = logits[where]  # (N, V), a copy
+        if summary is not None:
+            summary = HeadSummary([summary.argmax[i] for i in where], [summary.finite[i] for i in where])
+    return logits, summary
 
 
-def non_finite_rows(logits: torch.Tensor) -> list[int]:
-    """The rows of (N, V) logits holding a NaN or an infinity."""
+def non_finite_rows(logits: torch.Tensor, summary: HeadSummary | None = None) -> list[int]:
+    """The rows of (N, V) logits holding a NaN or an infinity (as the head's pass found, where it did)."""
+    if summary is not None:
+        return [i for i, ok in enumerate(summary.finite) if not ok]
     finite = torch.isfinite(logits.sum(dim=-1)).tolist()  # (N,): one pass; a NaN or inf anywhere spoils the sum
     return [i for i, ok in enumerate(finite) if not ok]
 

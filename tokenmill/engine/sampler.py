@@ -7,7 +7,9 @@ torch.Generator, so its choice never depends on which other requests share the b
 mean the same whatever the sampling settings.
 
 The greedy argmax is tokenmill.kernels' C pass (torch's argmax where it did not compile): the kernels are a leaf
-package that imports nothing of tokenmill, so the engine depends on them as it does on torch.
+package that imports nothing of tokenmill, so the engine depends on them as it does on torch. Where the LM head's own
+pass found a row's raw argmax (SampleInput.argmax) and the row's adjustments touch only a few ids (bias, bans,
+penalties), its greedy choice comes from those few values instead of another pass over the logits.
 """
 
 from __future__ import annotations
@@ -35,6 +37,19 @@ class SampleInput:
     banned: Seq[int] = ()  # token ids this row must not sample at this step (bad words, EOS before min_tokens)
     seen: Collection[int] = ()  # every distinct token of the prompt and output so far (for repetition_penalty)
     mask: torch.Tensor | None = None  # (V,) bool: the only tokens a structured output allows at this step
+    argmax: int | None = None  # the raw logits' argmax, where the LM head's own pass found it (a GGUF head)
+
+    def touched(self) -> set[int] | None:
+        """The token ids whose logits `adjusted` may change in this row; None where it may change any of them."""
+        p = self.params
+        if p.allowed_token_ids is not None or self.mask is not None:
+            return None
+        ids = set(p.logit_bias) | set(self.banned)
+        if p.repetition_penalty != 1.0:
+            ids.update(self.seen)
+        if p.has_penalties:
+            ids.update(self.output_counts)
+        return ids
 
 
 @dataclass
@@ -65,8 +80,10 @@ def sample(logits: torch.Tensor, rows: Seq[SampleInput]) -> list[Sampled]:
                 raise NoTokenLeft(
                     "allowed_token_ids, bad_words, min_tokens and the structured output leave no token to sample"
                 )
-        greedy_rows = processed if len(greedy) == len(rows) else processed[greedy]  # (a copy only when mixed)
-        chosen = dict(zip(greedy, argmax_rows(greedy_rows))) if greedy else {}  # one pass
+        chosen = _from_head_argmax(processed, rows, greedy)
+        scan = [i for i in greedy if i not in chosen]
+        scanned = processed if len(scan) == len(rows) else processed[scan]  # (a copy only when mixed)
+        chosen.update(zip(scan, argmax_rows(scanned)) if scan else ())  # one pass
         tokens = [chosen[i] if i in chosen else _choose(processed[i], row) for i, row in enumerate(rows)]
     results = []
     for i, (row, token) in enumerate(zip(rows, tokens)):
@@ -143,6 +160,29 @@ def adjusted(logits: torch.Tensor, rows: Seq[SampleInput]) -> Iterator[torch.Ten
         flat[touched] = saved
         for i, row in saved_rows.items():
             logits[i] = row
+
+
+def _from_head_argmax(processed: torch.Tensor, rows: Seq[SampleInput], greedy: list[int]) -> dict[int, int]:
+    """Greedy choices that need no pass over the logits: the head's pass found the raw argmax `a` of the row (the first
+    index of its largest value) and `adjusted` touched only a few ids, `a` not among them. The untouched tokens'
+    first best is then still `a`, so the adjusted argmax is `a` or one of the touched ids: the largest value, and the
+    first index among equals, as torch.argmax over the whole row. Rows this cannot answer are left out."""
+    candidates: dict[int, list[int]] = {}
+    for i in greedy:
+        a, touched = rows[i].argmax, rows[i].touched()
+        if a is not None and touched is not None and a not in touched:
+            candidates[i] = [a, *touched]
+    if not candidates:
+        return {}
+    vocab = processed.shape[-1]
+    at = [i * vocab + token for i, ids in candidates.items() for token in ids]
+    values = processed.view(-1)[torch.tensor(at, dtype=torch.long)].tolist()  # one gather for every row
+    chosen, k = {}, 0
+    for i, ids in candidates.items():
+        row_values, k = values[k : k + len(ids)], k + len(ids)
+        best = max(row_values)
+        chosen[i] = min(token for token, v in zip(ids, row_values) if v == best)
+    return chosen
 
 
 def _choose(logits: torch.Tensor, row: SampleInput) -> int:

@@ -943,6 +943,110 @@ int gguf_amx(int enable) {
 }
 #endif
 
+/* --- the LM head's own pass over its logits: each row's largest value and whether all are finite ---------------
+ *
+ * Greedy decoding wants each row's argmax and the engine wants to know whether a row's logits are all finite (a row
+ * that is not fails its request). As separate passes after the product those read the (rows, 262144) float32 logits
+ * back from memory, cold (the README has the figures). Here each thread looks at the columns of each claim it has
+ * just written, still in L1, and keeps per row and lane: the largest value so far and the group it came from, and
+ * the sum of every value (finite unless a value was an infinity or NaN, or the sum overflowed: torch's check in
+ * sample_step.non_finite_rows is the same). Most claims hold no value as large as the lanes' best so far, and cost a
+ * max and an add per group; the others are walked group by group, where a later group wins a lane only if strictly
+ * greater, or equal and earlier (a thread's claims need not come in column order). */
+typedef struct {
+    float best[GROUP];
+    int32_t group[GROUP];
+    float sum[GROUP];
+} row_best;
+
+#define NO_GROUP INT32_MAX
+
+static void row_best_reset(row_best *s) {
+    for (int l = 0; l < GROUP; l++) s->best[l] = -INFINITY, s->group[l] = NO_GROUP, s->sum[l] = 0.0f;
+}
+
+/* lane-wise: where v > best, or v == best from an earlier group, take v and g */
+static inline void row_best_update(row_best *s, const float *v, int32_t g) {
+#if defined(WITH_VNNI)
+    __m512 x = _mm512_loadu_ps(v), best = _mm512_load_ps(s->best);
+    __m512i group = _mm512_load_si512(s->group), gv = _mm512_set1_epi32(g);
+    __mmask16 take = _mm512_cmp_ps_mask(x, best, _CMP_GT_OQ) |
+                     (_mm512_cmp_ps_mask(x, best, _CMP_EQ_OQ) & _mm512_cmpgt_epi32_mask(group, gv));
+    _mm512_store_ps(s->best, _mm512_mask_mov_ps(best, take, x));
+    _mm512_store_si512(s->group, _mm512_mask_mov_epi32(group, take, gv));
+#else
+    __m256i gv = _mm256_set1_epi32(g);
+    for (int h = 0; h < 2; h++) {
+        __m256 x = _mm256_loadu_ps(v + 8 * h), best = _mm256_load_ps(s->best + 8 * h);
+        __m256i group = _mm256_load_si256((const __m256i *)(s->group + 8 * h));
+        __m256 take = _mm256_or_ps(_mm256_cmp_ps(x, best, _CMP_GT_OQ),
+                                   _mm256_and_ps(_mm256_cmp_ps(x, best, _CMP_EQ_OQ),
+                                                 _mm256_castsi256_ps(_mm256_cmpgt_epi32(group, gv))));
+        _mm256_store_ps(s->best + 8 * h, _mm256_blendv_ps(best, x, take));
+        __m256 taken = _mm256_blendv_ps(_mm256_castsi256_ps(group), _mm256_castsi256_ps(gv), take);
+        _mm256_store_si256((__m256i *)(s->group + 8 * h), _mm256_castps_si256(taken));
+    }
+#endif
+}
+
+/* Groups [g0, g1) of one row of logits (`row`: the row's column 0; n columns in all), just written by this thread */
+static void row_best_scan(row_best *s, const float *row, int64_t n, int64_t g0, int64_t g1) {
+    int64_t whole = n / GROUP < g1 ? n / GROUP : g1; /* groups of 16 real columns */
+    if (g0 < whole) {
+#if defined(WITH_VNNI)
+        __m512 top = _mm512_loadu_ps(row + GROUP * g0), sum = _mm512_load_ps(s->sum);
+        sum = _mm512_add_ps(sum, top);
+        for (int64_t g = g0 + 1; g < whole; g++) {
+            __m512 v = _mm512_loadu_ps(row + GROUP * g);
+            top = _mm512_max_ps(top, v);
+            sum = _mm512_add_ps(sum, v);
+        }
+        _mm512_store_ps(s->sum, sum);
+        int rare = _mm512_cmp_ps_mask(top, _mm512_load_ps(s->best), _CMP_GE_OQ) != 0;
+#else
+        int rare = 0;
+        for (int h = 0; h < 2; h++) {
+            __m256 top = _mm256_loadu_ps(row + GROUP * g0 + 8 * h), sum = _mm256_load_ps(s->sum + 8 * h);
+            sum = _mm256_add_ps(sum, top);
+            for (int64_t g = g0 + 1; g < whole; g++) {
+                __m256 v = _mm256_loadu_ps(row + GROUP * g + 8 * h);
+                top = _mm256_max_ps(top, v);
+                sum = _mm256_add_ps(sum, v);
+            }
+            _mm256_store_ps(s->sum + 8 * h, sum);
+            rare |= _mm256_movemask_ps(_mm256_cmp_ps(top, _mm256_load_ps(s->best + 8 * h), _CMP_GE_OQ)) != 0;
+        }
+#endif
+        if (rare) /* a lane meets or beats its best: which group, exactly */
+            for (int64_t g = g0; g < whole; g++) row_best_update(s, row + GROUP * g, (int32_t)g);
+    }
+    for (int64_t g = whole > g0 ? whole : g0; g < g1; g++) /* the last, partial group: its real lanes only */
+        for (int64_t l = 0; l < n - GROUP * g; l++) {
+            float v = row[GROUP * g + l];
+            if (v > s->best[l] || (v == s->best[l] && g < s->group[l])) s->best[l] = v, s->group[l] = (int32_t)g;
+            s->sum[l] += v;
+        }
+}
+
+/* Row r's answer from every thread's lanes: the first column of the largest value; finite if every sum is */
+static void row_best_merge(const row_best *states, int64_t threads, int64_t m, int64_t r, int64_t *argmax,
+                           int32_t *finite) {
+    float best = -INFINITY;
+    int64_t at = INT64_MAX;
+    int ok = 1;
+    for (int64_t t = 0; t < threads; t++) {
+        const row_best *s = states + t * m + r;
+        for (int l = 0; l < GROUP; l++) {
+            ok &= isfinite(s->sum[l]) != 0;
+            if (s->group[l] == NO_GROUP) continue;
+            int64_t col = (int64_t)s->group[l] * GROUP + l;
+            if (s->best[l] > best || (s->best[l] == best && col < at)) best = s->best[l], at = col;
+        }
+    }
+    argmax[r] = at == INT64_MAX ? 0 : at;
+    finite[r] = ok;
+}
+
 /* Group g's 16 columns of out for all M rows (block b of row r at x + b * m + r): ROW_CHUNK rows a pass, whole
  * tiles of 16 on AMX where it is on (`decoded`: this thread's scratch for the group's decoded codes) */
 static void group_product(int type, const uint8_t *w, const xblock *x, int64_t nb, int64_t m, int64_t n, int64_t g,
@@ -1001,9 +1105,10 @@ static void unit_product(int type, const uint8_t *w, int64_t group_bytes, const 
 }
 
 /* gguf_matmul, or gguf_matmul_gated where `gated` says which activation: the rows quantised once, then the units
- * (groups, or pairs of groups) shared out among the threads */
+ * (groups, or pairs of groups) shared out among the threads. With `argmax` (plain products only), each row's argmax
+ * and finiteness as gguf_matmul_logits says. */
 static int matmul(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, int type, const uint8_t *w, int64_t n,
-                  void *out, int64_t ldo, int float_out, int gated, int threads) {
+                  void *out, int64_t ldo, int float_out, int gated, int64_t *argmax, int32_t *finite, int threads) {
     if (gguf_packed_bytes(type, n, k) < 0) return -1;
     if (threads < 1) threads = 1;
     int64_t nb = k / 32, units = gated ? n / 2 / GROUP : (n + GROUP - 1) / GROUP;
@@ -1018,14 +1123,17 @@ static int matmul(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, 
     xblock *x = malloc((size_t)(m * nb) * sizeof *x + 64);
     group_claims *claims = aligned_alloc(64, (size_t)threads * sizeof *claims);
     uint16_t *pairs = gated ? malloc((size_t)(threads * m * 2 * GROUP) * sizeof *pairs) : NULL;
-    if (x == NULL || claims == NULL || (gated && pairs == NULL)) {
+    row_best *bests = argmax ? aligned_alloc(64, (size_t)(threads * m) * sizeof *bests) : NULL;
+    if (x == NULL || claims == NULL || (gated && pairs == NULL) || (argmax && bests == NULL)) {
         free(x);
         free(claims);
         free(pairs);
         free(decoding);
+        free(bests);
         return -2;
     }
     for (int64_t t = 0; t < threads; t++) claims[t].next = share_start(units, t, threads);
+    for (int64_t i = 0; bests && i < threads * m; i++) row_best_reset(bests + i); /* all: the team may be smaller */
     int64_t group_bytes = nb / (is_k(type) ? 8 : 1) * packed_unit_bytes(type);
 #pragma omp parallel num_threads(threads)
     {
@@ -1044,21 +1152,28 @@ static int matmul(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, 
     const int amx = 0;
 #endif
     uint16_t *pair = pairs ? pairs + thread * m * 2 * GROUP : NULL;
+    row_best *rows_best = bests ? bests + thread * m : NULL;
     /* its own share first, then what is left of the others' (a team smaller than asked for leaves whole shares) */
     for (int64_t v = 0; v < threads; v++) {
         int64_t owner = (thread + v) % threads, end = share_start(units, owner + 1, threads), claim;
-        while ((claim = __atomic_fetch_add(&claims[owner].next, CLAIM_GROUPS, __ATOMIC_RELAXED)) < end)
-            for (int64_t u = claim; u < claim + CLAIM_GROUPS && u < end; u++)
+        while ((claim = __atomic_fetch_add(&claims[owner].next, CLAIM_GROUPS, __ATOMIC_RELAXED)) < end) {
+            int64_t stop = claim + CLAIM_GROUPS < end ? claim + CLAIM_GROUPS : end;
+            for (int64_t u = claim; u < stop; u++)
                 unit_product(type, w, group_bytes, x, nb, m, n, u, out, ldo, float_out, gated, pair, decoded, amx);
+            for (int64_t r = 0; rows_best && r < m; r++) /* the claim's logits, still in L1 */
+                row_best_scan(rows_best + r, (const float *)out + r * ldo, n, claim, stop);
+        }
     }
 #if defined(WITH_AMX)
     if (amx) _tile_release();
 #endif
     }
+    for (int64_t r = 0; bests && r < m; r++) row_best_merge(bests, threads, m, r, argmax, finite);
     free(x);
     free(claims);
     free(pairs);
     free(decoding);
+    free(bests);
     return 0;
 }
 
@@ -1068,7 +1183,16 @@ static int matmul(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, 
  * 0, -1 for a type or width it does not take, -2 without memory. */
 int gguf_matmul(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, int type, const uint8_t *w, int64_t n,
                 void *out, int64_t ldo, int float_out, int threads) {
-    return matmul(x_in, x_stride, m, k, type, w, n, out, ldo, float_out, PLAIN, threads);
+    return matmul(x_in, x_stride, m, k, type, w, n, out, ldo, float_out, PLAIN, NULL, NULL, threads);
+}
+
+/* gguf_matmul into float32 logits, and from the same pass each row's argmax (the first column of its largest value,
+ * as torch.argmax) into argmax[M] and whether all its N values are finite (1, else 0) into finite[M]: greedy
+ * decoding's choice and the engine's check, without reading the logits back. A row that is not finite has no
+ * meaningful argmax. Returns as gguf_matmul does. */
+int gguf_matmul_logits(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, int type, const uint8_t *w,
+                       int64_t n, float *out, int64_t ldo, int64_t *argmax, int32_t *finite, int threads) {
+    return matmul(x_in, x_stride, m, k, type, w, n, out, ldo, 1, PLAIN, argmax, finite, threads);
 }
 
 /* A gated MLP's first projection and its activation in one pass: w holds the gate's f columns and then the up's (one
@@ -1080,7 +1204,8 @@ int gguf_matmul(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, in
 int gguf_matmul_gated(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, int type, const uint8_t *w,
                       int64_t f, uint16_t *out, int64_t ldo, int gelu, int threads) {
     if (f <= 0 || f % GROUP || !gelu_mul_available()) return -1;
-    return matmul(x_in, x_stride, m, k, type, w, 2 * f, out, ldo, 0, gelu ? GATED_GELU : GATED_SILU, threads);
+    return matmul(x_in, x_stride, m, k, type, w, 2 * f, out, ldo, 0, gelu ? GATED_GELU : GATED_SILU, NULL, NULL,
+                  threads);
 }
 
 #else /* neither AVX-512 VNNI nor AVX2 (with F16C), or no OpenMP: linear.py keeps the torch path */
@@ -1111,6 +1236,12 @@ int gguf_matmul_gated(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
                       int64_t f, uint16_t *out, int64_t ldo, int gelu, int threads) {
     (void)x, (void)x_stride, (void)m, (void)k, (void)type, (void)w, (void)f, (void)out, (void)ldo, (void)gelu;
     (void)threads;
+    return -1;
+}
+int gguf_matmul_logits(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, int type, const uint8_t *w,
+                       int64_t n, float *out, int64_t ldo, int64_t *argmax, int32_t *finite, int threads) {
+    (void)x, (void)x_stride, (void)m, (void)k, (void)type, (void)w, (void)n, (void)out, (void)ldo, (void)argmax;
+    (void)finite, (void)threads;
     return -1;
 }
 #endif

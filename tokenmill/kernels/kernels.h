@@ -50,6 +50,8 @@ int gguf_matmul(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, int t
                 void *out, int64_t ldo, int float_out, int threads);
 int gguf_matmul_gated(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, int type, const uint8_t *w,
                       int64_t f, uint16_t *out, int64_t ldo, int gelu, int threads);
+int gguf_matmul_logits(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, int type, const uint8_t *w,
+                       int64_t n, float *out, int64_t ldo, int64_t *argmax, int32_t *finite, int threads);
 /* Whether gguf_matmul multiplies on AMX tiles (compiled in, granted by the OS, and wanted); enable 0 or 1 sets the
  * wanting (the tests compare both paths), -1 only asks */
 int gguf_amx(int enable);

@@ -394,6 +394,42 @@ def gguf_matmul_gated(x: torch.Tensor, ggml_type: int, packed: torch.Tensor, f: 
     return out
 
 
+def gguf_matmul_logits(
+    x: torch.Tensor, ggml_type: int, packed: torch.Tensor, n: int
+) -> tuple[torch.Tensor, list[int], list[bool]]:
+    """x: (M, K) bf16 with contiguous rows @ an LM head's N rows regrouped → (M, N) float32 logits (gguf_matmul's
+    bits), each row's argmax (the first index of its largest value, as torch.argmax) and whether the row is all
+    finite, found in the product's own pass instead of two passes over the logits after it. A row that is not finite
+    has no meaningful argmax."""
+    m, k = x.shape
+    if x.stride(-1) != 1:
+        raise ValueError("gguf_matmul_logits: x (M, K) must have contiguous rows")
+    out = torch.empty(m, n, dtype=torch.float32)
+    argmax = torch.empty(m, dtype=torch.int64)
+    finite = torch.empty(m, dtype=torch.int32)
+    status = _lib().gguf_matmul_logits(
+        x.data_ptr(),
+        x.stride(0),
+        m,
+        k,
+        ggml_type,
+        packed.data_ptr(),
+        n,
+        out.data_ptr(),
+        n,
+        argmax.data_ptr(),
+        finite.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if status == -2:
+        raise MemoryError(f"gguf_matmul_logits: no memory to quantise ({m}, {k}) inputs")
+    if status:
+        raise ValueError(
+            f"gguf_matmul_logits: ggml type {ggml_type} with rows of {k} is not a layout this kernel takes"
+        )
+    return out, argmax.tolist(), [bool(f) for f in finite.tolist()]
+
+
 class GgufPart(ctypes.Structure):
     """kernels.h's gguf_part: one part of a GgufLinear, writing columns [at, at + n) of its output."""
 

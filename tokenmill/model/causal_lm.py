@@ -8,6 +8,7 @@ one, a change to the embeddings (`embed`: Gemma's scale). Parameter names follow
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import ClassVar, cast
 
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 
 from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.c_layer import LayerStack
+from tokenmill.model.gguf_linear import GgufLinear
 from tokenmill.model.layers import RMSNorm
 from tokenmill.model.linear import chunked_linear, float32_product
 from tokenmill.model.model_config import ModelConfig
@@ -36,6 +38,14 @@ class DecoderModel(nn.Module):
         self.embed_tokens: nn.Module = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(make_layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=norm_offset)
+
+
+@dataclass(frozen=True)
+class HeadSummary:
+    """What the LM head's own pass found in each row of raw logits (compute_logits_summarised)."""
+
+    argmax: list[int]  # the first index of the row's largest value (meaningless where the row is not finite)
+    finite: list[bool]
 
 
 class CausalLM(nn.Module):
@@ -83,6 +93,17 @@ class CausalLM(nn.Module):
             logits = chunked_linear(hidden, tied) if tied.dtype == torch.float32 else F.linear(hidden, tied).float()
         cap = self.config.final_logit_softcapping
         return logits if not cap else logits.div_(cap).tanh_().mul_(cap)
+
+    def compute_logits_summarised(self, hidden: torch.Tensor) -> tuple[torch.Tensor, HeadSummary | None]:
+        """compute_logits, and where the head is a GGUF kernel's one call with nothing after it (no soft cap), each
+        row's argmax and finiteness from the head's own pass (GgufLinear.logits): the sampler need not read the
+        logits again for them."""
+        if isinstance(self.lm_head, GgufLinear) and not self.config.final_logit_softcapping:
+            found = self.lm_head.logits(hidden)
+            if found is not None:
+                logits, argmax, finite = found
+                return logits, HeadSummary(argmax, finite)
+        return self.compute_logits(hidden), None
 
     def weight_bytes_per_token(self) -> int:
         """The bytes of weights one decode step reads: every parameter and buffer once (a tensor that two modules

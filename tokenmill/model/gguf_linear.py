@@ -124,6 +124,18 @@ class GgufLinear(nn.Module):
             out = out.to(dtype)
         return out if len(shape) == 2 else out.reshape(*shape[:-1], self.out_features)
 
+    def logits(self, x: torch.Tensor) -> tuple[torch.Tensor, list[int], list[bool]] | None:
+        """An LM head's float32 logits (N, out_features) for x (N, K), with each row's argmax and whether the row is
+        all finite, found in the kernel's own pass (ops.gguf_matmul_logits); None where the head is not one kernel
+        call (the torch path, or parts of several types), and the caller takes forward's logits instead."""
+        if not self.kernel or len(self._calls) != 1:
+            return None
+        rows = x.to(torch.bfloat16) if x.dtype != torch.bfloat16 else x
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        name, t, n, _ = self._calls[0]
+        return ops.gguf_matmul_logits(rows, t, self.get_buffer(name), n)
+
 
 _KERNEL_OUT = (torch.bfloat16, torch.float32)
 
