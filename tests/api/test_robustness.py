@@ -174,3 +174,45 @@ def test_a_request_that_can_never_fit_the_kv_cache_is_refused_up_front() -> None
     assert too_big.status_code == 400 and too_big.json()["error"]["code"] == "context_length_exceeded"
     assert fits.status_code == 200 and fits.json()["usage"]["completion_tokens"] == 60  # 3 × 20, via preemption
     assert engine.stats().num_preemptions > 0 and engine.stats().num_used_blocks == 0
+
+
+def test_a_request_reaches_the_engine_when_generate_is_called_not_when_it_is_read() -> None:
+    """A burst's requests are queued as each is admitted: the engine runs one before anybody reads its outputs."""
+
+    async def scenario(engine: AsyncEngine, app: FastAPI) -> list[int]:
+        outputs = engine.generate("r", TOK.encode("a request"), SamplingParams(max_tokens=4, temperature=0.0))
+        for _ in range(1000):  # bounded wait for the engine to have run it, unread
+            if engine.stats().steps > 0:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.stats().steps > 0
+        return [t for out in [o async for o in outputs] for d in out.deltas for t in d.token_ids]
+
+    assert len(with_engine(scenario)) == 4
+
+
+def test_outputs_closed_or_dropped_before_they_are_read_abort_the_request() -> None:
+    engine = tiny_engine()  # stepped by hand
+    params = SamplingParams(max_tokens=400, temperature=0.0, logit_bias={1: -100.0})
+    closed = engine.generate("closed", TOK.encode("a request"), params)
+    engine._step()
+    assert "closed" in engine.core.requests
+    closed.close()
+    engine.generate("dropped", TOK.encode("another"), params)  # never kept: collected at once
+    engine._step()
+    stats = engine.stats()
+    assert not engine.core.requests and stats.num_running == 0 and stats.num_used_blocks == 0
+    assert not engine._queues
+
+
+def test_a_stream_left_before_its_response_started_frees_its_request() -> None:
+    """The engine has the request from admission on: a client gone before the stream's first byte still frees it
+    within a few steps (left running, each would take its 400 tokens)."""
+
+    async def scenario(engine: AsyncEngine, app: FastAPI) -> tuple[dict[str, int], int]:
+        payload = completion(prompt="Hello", max_tokens=400, stream=True, logit_bias=NO_EOS)
+        await asyncio.gather(*(call_then_disconnect(app, payload, lambda sent: True) for _ in range(5)))
+        return await settled(engine), engine.stats().steps
+
+    counts, steps = with_engine(scenario)
+    assert counts == {"running": 0, "waiting": 0, "used_blocks": 0} and steps < 100

@@ -182,6 +182,7 @@ async def _complete(request: Request, quota: Quota, arrived: float) -> Response:
         raise
     completion.admitted_at = time.monotonic()
     completion.on_started = ticket.started
+    completion.start()
     attempts = [completion]  # a non-streamed completion whose engine was lost under it runs once more
 
     def again() -> Completion:
@@ -193,6 +194,8 @@ async def _complete(request: Request, quota: Quota, arrived: float) -> Response:
     def finish() -> None:
         """However it ended: free its admission and refund its unused tokens, then tell the metrics, the access log
         and the per-user usage what it did (the last attempt's: a lost attempt costs the client nothing)."""
+        for attempt in attempts:
+            attempt.close()
         completion = attempts[-1]
         ticket.close()
         used = completion.usage()["total_tokens"]

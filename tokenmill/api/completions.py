@@ -122,6 +122,7 @@ class Completion:
             for p, prompt in enumerate(self.prompts)
             for j in range(width)
         ]
+        self._generators: list[AsyncIterator[RequestOutput]] | None = None  # the engine's outputs, once started
 
     @property
     def token_budget(self) -> int:
@@ -253,12 +254,28 @@ class Completion:
             e2e_s=_since(self.arrived_at, prompt.finished_at),
         )
 
+    def start(self) -> None:
+        """Hands the prompts to the engine now. The engine's own one (AsyncEngine) queues each at once, so a burst's
+        requests reach it as each is admitted, not once the event loop has started each one's response; the outputs
+        are read when the response is."""
+        if self._generators is None:
+            self._generators = [
+                self.engine.generate(f"{self.meta.id}-{i}", prompt.token_ids, self._params_for(prompt))
+                for i, prompt in enumerate(self.prompts)
+            ]
+
+    def close(self) -> None:
+        """Whatever of it still runs in the engine is aborted (a stream whose client left before it began reading;
+        a read to the end, or closed, leaves nothing)."""
+        for generator in self._generators or ():
+            close = getattr(generator, "close", None)
+            if close is not None:
+                close()
+
     def _outputs(self) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-        generators = [
-            self.engine.generate(f"{self.meta.id}-{i}", prompt.token_ids, self._params_for(prompt))
-            for i, prompt in enumerate(self.prompts)
-        ]
-        return merge(generators, self.limits.timeout_s)
+        self.start()
+        assert self._generators is not None
+        return merge(self._generators, self.limits.timeout_s)
 
     def _params_for(self, prompt: Prompt) -> SamplingParams:
         """With echo a choice's text starts with its prompt: the content filter reads the output after it."""

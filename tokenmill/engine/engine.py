@@ -2,7 +2,8 @@
 
 Requests and aborts arriving from the event loop are queued in an inbox that the worker drains at the start of every
 step, so a request that arrives while others run joins the very next step (continuous batching), and an abort frees
-its blocks within one step. Only the worker thread touches EngineCore. If the loop itself ends (stopped, or a bug),
+its blocks within one step. `generate` queues a request at once, before its outputs are read (Outputs): the HTTP edge
+hands each request over as it is admitted, so a burst's first requests start while the rest are still being parsed. Only the worker thread touches EngineCore. If the loop itself ends (stopped, or a bug),
 every waiting caller gets a final error output instead of waiting forever, and `is_healthy()` turns false.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -31,6 +32,54 @@ ENGINE_STOPPED = "the engine is not running"
 
 def _engine_thread() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-engine")
+
+
+class Outputs:
+    """One request's outputs (AsyncEngine.generate), an async iterator that ends after the finished one. Closing it
+    before then (aclose or close, or dropping it: a stream whose client left before it started reading) aborts the
+    request, as does a cancellation while it waits for the next output."""
+
+    def __init__(self, queue: asyncio.Queue[RequestOutput], request_id: str, engine: AsyncEngine | None) -> None:
+        self._queue = queue
+        self._request_id = request_id
+        self._engine = engine  # None: nothing to abort (the engine had stopped)
+        self._done = False  # the finished output was read, or it was closed
+
+    @classmethod
+    def ended(cls, output: RequestOutput) -> Outputs:
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        queue.put_nowait(output)
+        return cls(queue, output.request_id, None)
+
+    def __aiter__(self) -> Outputs:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            out = await self._queue.get()
+        except BaseException:  # cancelled while waiting: nobody will read the rest
+            self.close()
+            raise
+        if out.finished:
+            self._done = True
+            if self._engine is not None:
+                self._engine._queues.pop(self._request_id, None)
+        return out
+
+    def close(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        if self._engine is not None:
+            self._engine._abort(self._request_id)
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
 
 
 class AsyncEngine:
@@ -100,29 +149,28 @@ class AsyncEngine:
         self.core.step_observers.append(observe)
 
     # ---- requests ----
-    async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Outputs:
+        """Queues the request at once and returns its outputs as they come. The engine takes it at its next step
+        whether or not the caller has started reading: a burst of requests reaches the engine as each is parsed, not
+        once the event loop has got round to starting each one's response. Read the outputs to the end, or close
+        them (`aclose`, `close`, or drop them): a request closed before its end is aborted."""
         if self._ended or (self._task is not None and self._task.done()):
-            yield RequestOutput(request_id, [], list(prompt_token_ids), finished=True, error=ENGINE_STOPPED)
-            return
+            return Outputs.ended(
+                RequestOutput(request_id, [], list(prompt_token_ids), finished=True, error=ENGINE_STOPPED)
+            )
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request_id] = queue
         with self._lock:
             self._adds.append((request_id, list(prompt_token_ids), params))
         self._wake()
-        finished = False
-        try:
-            while not finished:
-                out = await queue.get()
-                finished = out.finished
-                yield out
-        finally:
-            self._queues.pop(request_id, None)
-            if not finished:
-                await self.abort(request_id)
+        return Outputs(queue, request_id, self)
 
     async def abort(self, request_id: str) -> None:
+        self._abort(request_id)
+
+    def _abort(self, request_id: str) -> None:
+        """Sync, from any thread (an Outputs being collected): the worker aborts it at its next step."""
+        self._queues.pop(request_id, None)
         with self._lock:
             self._aborts.append(request_id)
         self._wake()
