@@ -335,6 +335,16 @@ async def merge(
 
     Past `timeout_s` it raises the request-timeout APIError, which closes them all too.
     """
+    if len(generators) == 1 and timeout_s is None:  # one prompt, no deadline: no task and queue between
+        generator = generators[0]
+        try:
+            async for item in generator:
+                yield 0, item
+        finally:
+            aclose = getattr(generator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        return
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
     deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
 
