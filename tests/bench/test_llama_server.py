@@ -13,7 +13,7 @@ import pytest
 
 from tokenmill.bench import llama_server, run
 from tokenmill.bench.flags import PEERS, add_bench_arguments
-from tokenmill.bench.servers import PEER_ALIAS, ServerStartError
+from tokenmill.bench.servers import ServerStartError
 
 
 def bench_args(*argv: str) -> argparse.Namespace:
@@ -29,7 +29,7 @@ def test_the_command_listens_on_loopback_with_its_slots_sharing_the_context() ->
     def value(flag: str) -> str:
         return argv[argv.index(flag) + 1]
 
-    assert argv[0] == "/b/llama-server" and value("--model") == "/m.gguf" and value("--alias") == PEER_ALIAS
+    assert argv[0] == "/b/llama-server" and value("--model") == "/m.gguf" and value("--alias") == "m"
     assert value("--host") == "127.0.0.1" and spec.url == "http://127.0.0.1:8003" and spec.ready_path == "/health"
     assert value("--threads") == value("--threads-batch") == "2"
     assert value("--parallel") == "16" and value("--ctx-size") == str(16 * 4096)  # -c is shared by the slots

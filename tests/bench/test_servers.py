@@ -87,6 +87,7 @@ def test_server_commands_listen_on_loopback_only() -> None:
     assert peer.argv[:3] == ("/venv/bin/python", "-m", "llama_cpp.server")
     assert peer.argv[peer.argv.index("--host") + 1] == "127.0.0.1"
     assert peer.argv[peer.argv.index("--n_threads") + 1] == "2" and peer.ready_path == "/v1/models"
+    assert peer.argv[peer.argv.index("--model_alias") + 1] == "m"  # the file's stem, as tokenmill names the model
 
 
 def test_the_peer_is_rebuilt_when_its_cmake_arguments_change(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

