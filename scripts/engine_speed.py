@@ -6,8 +6,8 @@ python scripts/engine_speed.py --batch 1 --context 2000    # decoding after a 2,
 
 Besides the aggregate it prints where a step goes, as medians over the decode steps: the model's layers (the
 runner's forward), the LM head (the runner's logits_summarised: a GGUF head's pass finds each row's argmax and
-checks it finite as well) and the rest (sampling, bookkeeping), and the first step's time (the batch's prefill). `--bench-prompts` takes the prompts `tokenmill bench` sends, one per row, in place of one
-repeated prompt. `--busy ON OFF` measures beside a process that spins ON ms then sleeps OFF ms (bench/busy.py), as
+checks it finite as well) and the rest (sampling, bookkeeping), and the first step's time (the batch's prefill).
+`--bench-prompts` takes the prompts `tokenmill bench` sends, one per row, in place of one repeated prompt. `--busy ON OFF` measures beside a process that spins ON ms then sleeps OFF ms (bench/busy.py), as
 the server's event loop or a client on the same cores takes a core for a while.
 """
 
@@ -65,7 +65,8 @@ class Phases:
         self.forward: list[float] = []
         self.logits: list[float] = []
         core.runner.forward = self._timed(core.runner.forward, self.forward)  # type: ignore[method-assign]
-        core.runner.logits_summarised = self._timed(core.runner.logits_summarised, self.logits)  # type: ignore[method-assign]
+        timed_head = self._timed(core.runner.logits_summarised, self.logits)
+        core.runner.logits_summarised = timed_head  # type: ignore[method-assign]
 
     @staticmethod
     def _timed(fn: Callable[..., Any], into: list[float]) -> Callable[..., Any]:

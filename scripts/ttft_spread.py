@@ -34,7 +34,8 @@ async def spread(url: str, concurrency: int, rounds: int) -> None:
             summary = summarize_level(results, time.perf_counter() - start, concurrency)
             ttfts = sorted(r.ttft_s * 1e3 for r in results if r.ttft_s is not None)
             print(
-                f"{concurrency} clients: {summary['agg_tok_s']:.1f} tok/s, TTFT p50 {summary['ttft_p50_s'] * 1e3:.0f} ms;"
+                f"{concurrency} clients: {summary['agg_tok_s']:.1f} tok/s,"
+                f" TTFT p50 {summary['ttft_p50_s'] * 1e3:.0f} ms;"
                 f" each (ms): {' '.join(f'{t:.0f}' for t in ttfts)}"
             )
 

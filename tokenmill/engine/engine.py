@@ -3,8 +3,9 @@
 Requests and aborts arriving from the event loop are queued in an inbox that the worker drains at the start of every
 step, so a request that arrives while others run joins the very next step (continuous batching), and an abort frees
 its blocks within one step. `generate` queues a request at once, before its outputs are read (Outputs): the HTTP edge
-hands each request over as it is admitted, so a burst's first requests start while the rest are still being parsed. Only the worker thread touches EngineCore. If the loop itself ends (stopped, or a bug),
-every waiting caller gets a final error output instead of waiting forever, and `is_healthy()` turns false.
+hands each request over as it is admitted, so a burst's first requests start while the rest are still being parsed.
+Only the worker thread touches EngineCore. If the loop itself ends (stopped, or a bug), every waiting caller gets a
+final error output instead of waiting forever, and `is_healthy()` turns false.
 """
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ def gather_logits(runner: HeadFn, hidden: torch.Tensor, rows: list[int]) -> tupl
     distinct = sorted(set(rows))
     logits, summary = runner.logits_summarised(hidden[distinct])  # (R, V)
     if rows != distinct:
-        where = [{r: i for i, r in enumerate(distinct)}[r] for r in rows]
+        index = {r: i for i, r in enumerate(distinct)}
+        where = [index[r] for r in rows]
         logits = logits[where]  # (N, V), a copy
         if summary is not None:
             summary = HeadSummary([summary.argmax[i] for i in where], [summary.finite[i] for i in where])
