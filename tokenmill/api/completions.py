@@ -254,15 +254,16 @@ class Completion:
             e2e_s=_since(self.arrived_at, prompt.finished_at),
         )
 
-    def start(self) -> None:
-        """Hands the prompts to the engine now. The engine's own one (AsyncEngine) queues each at once, so a burst's
-        requests reach it as each is admitted, not once the event loop has started each one's response; the outputs
-        are read when the response is."""
+    def start(self) -> list[AsyncIterator[RequestOutput]]:
+        """Hands the prompts to the engine now (once) and returns their outputs. The engine's own one (AsyncEngine)
+        queues each at once, so a burst's requests reach it as each is admitted, not once the event loop has started
+        each one's response; the outputs are read when the response is."""
         if self._generators is None:
             self._generators = [
                 self.engine.generate(f"{self.meta.id}-{i}", prompt.token_ids, self._params_for(prompt))
                 for i, prompt in enumerate(self.prompts)
             ]
+        return self._generators
 
     def close(self) -> None:
         """Whatever of it still runs in the engine is aborted (a stream whose client left before it began reading;
@@ -273,9 +274,7 @@ class Completion:
                 close()
 
     def _outputs(self) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-        self.start()
-        assert self._generators is not None
-        return merge(self._generators, self.limits.timeout_s)
+        return merge(self.start(), self.limits.timeout_s)
 
     def _params_for(self, prompt: Prompt) -> SamplingParams:
         """With echo a choice's text starts with its prompt: the content filter reads the output after it."""
@@ -341,9 +340,7 @@ async def merge(
             async for item in generator:
                 yield 0, item
         finally:
-            aclose = getattr(generator, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            await _aclose(generator)
         return
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
     deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
@@ -356,9 +353,7 @@ async def merge(
         except Exception as exc:  # noqa: BLE001 - re-raised by the consumer; cancellation is not an Exception
             queue.put_nowait((index, exc))
         finally:
-            aclose = getattr(generator, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            await _aclose(generator)
 
     tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(generators)]
     try:
@@ -375,6 +370,13 @@ async def merge(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _aclose(generator: AsyncIterator[RequestOutput]) -> None:
+    """Close an engine's outputs (an abort if they had not ended), where the iterator can be closed."""
+    aclose = getattr(generator, "aclose", None)
+    if aclose is not None:
+        await aclose()
 
 
 async def _next(queue: asyncio.Queue[T], deadline: float | None, timeout_s: float | None) -> T:

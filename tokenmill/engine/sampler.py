@@ -104,7 +104,8 @@ def adjusted(logits: torch.Tensor, rows: Seq[SampleInput]) -> Iterator[torch.Ten
     repetition penalty divides positive logits and multiplies negative ones of every token seen; OpenAI's penalties
     subtract count[j] * frequency_penalty + (count[j] > 0) * presence_penalty. Every row's entries of one kind go in
     one indexed write over the flattened logits, and only the touched entries (whole rows for allowed_token_ids) are
-    saved and written back, exactly, instead of copying the whole (N, V) logits for a few changed entries.
+    saved and written back, exactly, instead of copying the whole (N, V) logits for a few changed entries. A kind of
+    change added here must be named in SampleInput.touched too (the greedy choice from the head's argmax relies on it).
     """
     vocab, flat = logits.shape[-1], logits.view(-1)  # a view: the writes land in `logits`
     bias_at: list[int] = []

@@ -108,11 +108,7 @@ class GgufLinear(nn.Module):
         if not self.kernel:
             parts = [gguf_quant.gguf_matmul(rows, self._part(i), t, self.k) for i, t in enumerate(self.types)]
             return torch.cat(parts, dim=1).to(dtype).reshape(*shape[:-1], self.out_features)
-        # the kernel takes bf16 rows and writes bf16 or float32; this runs ~100 times a decode step, so it stays lean
-        if rows.dtype != torch.bfloat16:
-            rows = rows.to(torch.bfloat16)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
+        rows = _kernel_rows(rows)  # this runs ~100 times a decode step, so it stays lean
         written = dtype if dtype in _KERNEL_OUT else torch.float32
         out = torch.empty(rows.shape[0], self.out_features, dtype=written)
         if rows.shape[0]:
@@ -130,14 +126,18 @@ class GgufLinear(nn.Module):
         call (the torch path, or parts of several types), and the caller takes forward's logits instead."""
         if not self.kernel or len(self._calls) != 1:
             return None
-        rows = x.to(torch.bfloat16) if x.dtype != torch.bfloat16 else x
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
         name, t, n, _ = self._calls[0]
-        return ops.gguf_matmul_logits(rows, t, self.get_buffer(name), n)
+        return ops.gguf_matmul_logits(_kernel_rows(x.reshape(-1, self.k)), t, self.get_buffer(name), n)
 
 
 _KERNEL_OUT = (torch.bfloat16, torch.float32)
+
+
+def _kernel_rows(rows: torch.Tensor) -> torch.Tensor:
+    """(N, K) rows as the kernel takes them: bf16, each row contiguous (it writes bf16 or float32)."""
+    if rows.dtype != torch.bfloat16:
+        rows = rows.to(torch.bfloat16)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 def _same_type_runs(parts: list[GgufWeight]) -> list[list[GgufWeight]]:
