@@ -195,12 +195,19 @@ def write_tiny_gguf(
     architecture: str = "gemma3",
     quantize: bool | Sequence[gguf.GGMLQuantizationType] = False,
     seed: int = 0,
+    max_position_embeddings: int | None = None,
+    sliding_window: int | None = None,
 ) -> Path:
     """The tiny model as a GGUF; norms stored as w + 1 like llama.cpp does. `architecture` is written as given,
     so tests can make files of architectures the engine does not support. `quantize`: the matrices in Q8_0, or in
-    the given types taken in turn (so stacked projections mix types, as in real files)."""
+    the given types taken in turn (so stacked projections mix types, as in real files). `max_position_embeddings`
+    and `sliding_window` in place of 256 and 8 (a GGUF's four Gemma 3 layers are all sliding-window ones)."""
     types = [gguf.GGMLQuantizationType.Q8_0] if quantize is True else list(quantize or [])
     config = tiny_hf_config()
+    if max_position_embeddings is not None:
+        config["max_position_embeddings"] = max_position_embeddings
+    if sliding_window is not None:
+        config["sliding_window"] = sliding_window
     writer = gguf.GGUFWriter(str(path), architecture)
     _write_gguf_metadata(writer, config)
     for name, tensor in tiny_state_dict(config, seed).items():

@@ -39,6 +39,44 @@ def test_attention(avx2: ctypes.CDLL, hq: int, hkv: int, d: int, softcap: float)
     assert torch.equal(native.view(torch.int16), out.view(torch.int16))
 
 
+@pytest.mark.skipif(not ops.paged_attention_available(), reason="no native attention kernel here")
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(4, 1, 256), (8, 2, 64)])
+def test_attention_over_chunks_of_keys(avx2: ctypes.CDLL, hq: int, hkv: int, d: int) -> None:
+    """Rows over ATTENTION_KEY_CHUNK keys, chunk by chunk: the same bits from both builds, and a row's bits the same
+    decoded alone (its chunks shared between the threads) as beside others (each row's chunks on one thread)."""
+    chunk = ops.ATTENTION_KEY_CHUNK
+    gen = torch.Generator().manual_seed(7)
+    k_cache = torch.randn(5 * chunk, hkv, d, generator=gen).to(BF16)
+    v_cache = torch.randn(5 * chunk, hkv, d, generator=gen).to(BF16)
+    slots = torch.randperm(5 * chunk, generator=gen)
+    q = (torch.randn(3, hq, d, generator=gen) * 0.3).to(BF16)
+    offset = torch.zeros(3, dtype=torch.int64)
+    count = torch.tensor([chunk + 1, 2 * chunk, 4 * chunk + 77])  # a chunk of one key; whole chunks; a ragged end
+
+    def attention(lib: ctypes.CDLL, rows: slice) -> torch.Tensor:  # on two threads, as a 2-core server runs it
+        qs, n = q[rows].contiguous(), count[rows]
+        out = torch.empty_like(qs)
+        args = (qs.data_ptr(), hq * d, k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), offset.data_ptr())
+        assert lib.paged_attention(*args, n.data_ptr(), len(n), hq, hkv, d, d**-0.5, 0.0, out.data_ptr(), 2) == 0
+        return out.view(torch.int16)
+
+    native = ops.library()
+    assert native is not None
+    batch = attention(native, slice(0, 3))
+    for r in range(3):
+        assert torch.equal(attention(native, slice(r, r + 1))[0], batch[r]), r
+    assert torch.equal(attention(avx2, slice(0, 3)), batch)
+    # and right: float64 softmax attention, to bf16's rounding
+    keys, values = k_cache[slots].double(), v_cache[slots].double()
+    for r in range(3):
+        for h in range(hq):
+            kv = h // (hq // hkv)
+            weights = torch.softmax(q[r, h].double() @ keys[: count[r], kv].T * d**-0.5, dim=-1)
+            expected = weights @ values[: count[r], kv]
+            got = batch[r, h].view(BF16).double()
+            assert (got - expected).abs().le(2.0**-8 * expected.abs() + 1e-4).all(), (r, h)
+
+
 @pytest.mark.skipif(not ops.gelu_mul_available(), reason="no native activation kernels here")
 @pytest.mark.parametrize("kernel", ["gelu_mul", "silu_mul"])
 def test_gated_activations(avx2: ctypes.CDLL, kernel: str) -> None:

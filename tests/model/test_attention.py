@@ -68,7 +68,8 @@ def test_rows_are_right_and_identical_alone_batched_and_in_prefill(
     cache = _cache(4096, dtype)
     gen = torch.Generator().manual_seed(2)
     perm = torch.randperm(4096, generator=gen)  # scattered slots, as a paged cache gives them
-    ctx = [3 * CHUNK + 5, 17, CHUNK, 2 * CHUNK + 1, 150]
+    # the last: the C kernel's chunks of keys, a single row's shared between the threads, a batch's rows each whole
+    ctx = [3 * CHUNK + 5, 17, CHUNK, 2 * CHUNK + 1, 150, 2 * ops.ATTENTION_KEY_CHUNK + 37]
     seq_slots, at = [], 0
     for n in ctx:
         seq_slots.append(perm[at : at + n])

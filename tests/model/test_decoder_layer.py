@@ -247,3 +247,30 @@ def test_requests_arriving_at_random_steps_compute_what_they_compute_alone(tmp_p
                 break
         assert {request_id: _tokens_and_logprobs(outs) for request_id, outs in outputs.items()} == alone, budget
     assert {65, 129} <= set(step_rows) and min(step_rows) < 8  # steps of 64k + 1 rows among many sizes
+
+
+@pytest.mark.skipif(not ops.paged_attention_available(), reason="no native attention kernel here")
+def test_a_long_context_decodes_the_same_alone_as_beside_others(tmp_path: Path) -> None:
+    """Past ATTENTION_KEY_CHUNK keys the attention kernel takes a row's keys in chunks: a single stream's row has its
+    chunks shared between the threads, a batch's rows each on one thread. Tokens and logprobs must not tell."""
+    chunk = ops.ATTENTION_KEY_CHUNK
+    context = 4 * chunk  # a window as long as the context: every layer sees all the keys
+    path = write_tiny_gguf(
+        tmp_path / "long.gguf", quantize=MIXED, max_position_embeddings=context, sliding_window=context
+    )
+    model = native_model(path, tmp_path / "cache")
+    rng = random.Random(1)
+    long_prompts = [[2, *rng.choices(range(4, 500), k=n)] for n in (chunk + 40, 2 * chunk + 3)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True)
+    config = Config(dtype="bfloat16", block_size=16, num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=1024)
+    alone = {}
+    for i, prompt in enumerate(long_prompts):
+        core = build_engine_core(model, tiny_tokenizer(), config)
+        core.add_request(f"r{i}", prompt, params)
+        alone[f"r{i}"] = _tokens_and_logprobs(run_all(core)[f"r{i}"])
+    core = build_engine_core(model, tiny_tokenizer(), config)
+    for i, prompt in enumerate(long_prompts):  # decoded side by side, beside a short request's prefill and decodes
+        core.add_request(f"r{i}", prompt, params)
+    core.add_request("short", [2, 7, 9], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    together = {rid: _tokens_and_logprobs(outs) for rid, outs in run_all(core).items()}
+    assert {rid: together[rid] for rid in alone} == alone

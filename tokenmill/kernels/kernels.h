@@ -13,6 +13,8 @@
 #define MAX_HEAD_DIM 1024
 /* paged_attention's largest head: the query heads of a group are held in registers (paged_attention.c) */
 #define MAX_ATTENTION_HEAD_DIM 512
+/* paged_attention's keys per chunk: a row over this many keys is computed chunk by chunk (paged_attention.c) */
+#define ATTENTION_KEY_CHUNK 256
 /* int8_matmul's weight tiles: output columns per tile, and the multiple its input width must be (int8_matmul.c) */
 #define INT8_MATMUL_TILE 64
 #define INT8_MATMUL_K_MULTIPLE 32

@@ -38,6 +38,7 @@ from tokenmill.kernels import build
 _LIMITS = build.header_defines()  # kernels.h: the C side's limits, read rather than copied
 MAX_HEAD_DIM = _LIMITS["MAX_HEAD_DIM"]  # norm_rotary's stack buffer
 MAX_ATTENTION_HEAD_DIM = _LIMITS["MAX_ATTENTION_HEAD_DIM"]  # paged_attention's register tile
+ATTENTION_KEY_CHUNK = _LIMITS["ATTENTION_KEY_CHUNK"]  # paged_attention's keys per chunk of a longer row
 INT8_MATMUL_TILE = _LIMITS["INT8_MATMUL_TILE"]  # int8_matmul's output columns per tile
 INT8_MATMUL_K_MULTIPLE = _LIMITS["INT8_MATMUL_K_MULTIPLE"]  # its input width must be a multiple of this
 GGUF_XBLOCK_BYTES = _LIMITS["GGUF_XBLOCK_BYTES"]  # gguf_matmul's quantised activations: bytes per 32 inputs

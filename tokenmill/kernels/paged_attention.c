@@ -9,6 +9,13 @@
  * (softcap > 0, Gemma 2: s_j = softcap * tanh(s_j / softcap)), p_j = exp(s_j - max s), out = (sum_j p_j v_j) / (sum_j p_j), rounded to bfloat16 (nearest even). The query heads
  * that share a KV head are computed together, which shares the loads of their keys and values, not their numbers.
  *
+ * A row over more than KEY_CHUNK keys takes them in chunks of KEY_CHUNK (the last one shorter), each chunk's softmax
+ * against its own largest score: m_c, l_c = sum p_j, o_c = sum p_j v_j; then, in chunk order, M = max m_c,
+ * w_c = exp(m_c - M), out = (sum_c w_c o_c) / (sum_c w_c l_c). Why: a single stream's step has one row, and Gemma 3 one
+ * KV head, so without chunks one thread read a long context's keys and values while the other waited; the chunks go
+ * to both. Where a row's chunks are computed (which thread, beside what) never changes its numbers: they depend on its
+ * key count alone, so a row still gets the same bits alone, batched or in a prefill.
+ *
  * Row r sees the keys at cache slots slots[offset[r]], ..., slots[offset[r] + count[r] - 1] (its visible positions,
  * in position order); attention.py builds these from each sequence's block table and the layer's window.
  */
@@ -25,12 +32,15 @@
 
 int paged_attention_available(void) { return 1; }
 
-/* Up to GROUP query heads that share one KV head, for one query row, over `count` keys -> out (gs, d) bf16.
+/* Up to GROUP query heads that share one KV head, for one query row, over `count` keys -> out (gs, d) bf16, or, for
+ * a chunk of a longer row's keys, `partial` (gs, PARTIAL(d)) float32: each head's o_c (sum p_j v_j), m_c and l_c.
  * Each head's numbers come from the same loops whatever the grouping: the dot product over d in 16 lanes (one FMA
  * chain per lane), reduced in a fixed order; the softmax and the weighted sum of values in key order. The grouping
  * only shares the loads of keys and values (and computes two keys at a time to keep the FMA units busy), as does
  * the number of 16-lane vectors of output summed at a time (more in AVX-512's 32 registers than in AVX2's 16). */
 #define GROUP 4
+#define KEY_CHUNK ATTENTION_KEY_CHUNK /* keys a chunk of a longer row (kernels.h): a multiple of 16 */
+#define PARTIAL(d) ((d) + 2) /* floats of one head's chunk result: o_c, then m_c and l_c */
 #if defined(VEC16_WIDE)
 #define OUT_VECTORS 4
 #else
@@ -39,7 +49,7 @@ int paged_attention_available(void) { return 1; }
 static inline __attribute__((always_inline)) void attend_group(
     const uint16_t *q, int64_t q_head_stride, const uint16_t *k_cache, const uint16_t *v_cache,
     const int64_t *slots, int64_t count, int64_t slot_stride, int64_t d, float scale, float softcap, float *scores,
-    uint16_t *out, const int GS) {
+    uint16_t *out, float *partial, const int GS) {
     v16 qf[GROUP][MAX_ATTENTION_HEAD_DIM / 16];
     int64_t lanes = d / 16;
     for (int g = 0; g < GS; g++)
@@ -103,13 +113,19 @@ static inline __attribute__((always_inline)) void attend_group(
     for (int g = 0; g < GS; g++) { /* p_j = exp(s_j - max), in place; inv = 1 / sum p */
         v16 top = v16_set1(-INFINITY);
         for (int64_t t = 0; t < count; t += 16) top = v16_max(top, v16_load_first(s[g] + t, count - t, -INFINITY));
-        v16 shift = v16_set1(v16_reduce_max(top)), sum = v16_zero();
+        float largest = v16_reduce_max(top);
+        v16 shift = v16_set1(largest), sum = v16_zero();
         for (int64_t t = 0; t < count; t += 16) { /* lanes past the end: e^-inf = 0, adding nothing to the sum */
             v16 p = v16_exp_nonpositive(v16_sub(v16_load_first(s[g] + t, count - t, -INFINITY), shift));
             v16_store_first(s[g] + t, count - t, p);
             sum = v16_add(sum, p);
         }
-        inv[g] = 1.0f / v16_reduce_add(sum);
+        if (partial) {
+            partial[g * PARTIAL(d) + d] = largest;
+            partial[g * PARTIAL(d) + d + 1] = v16_reduce_add(sum);
+        } else {
+            inv[g] = 1.0f / v16_reduce_add(sum);
+        }
     }
     for (int64_t c = 0; c < lanes; c += OUT_VECTORS) { /* OUT_VECTORS x 16 output dims of every head at a time */
         int width = lanes - c < OUT_VECTORS ? (int)(lanes - c) : OUT_VECTORS;
@@ -126,87 +142,203 @@ static inline __attribute__((always_inline)) void attend_group(
             }
         }
         for (int g = 0; g < GS; g++) {
+            if (partial) {
+                for (int i = 0; i < width; i++) v16_store(partial + g * PARTIAL(d) + 16 * (c + i), acc[g][i]);
+                continue;
+            }
             v16 norm = v16_set1(inv[g]);
             for (int i = 0; i < width; i++) v16_store_bf16(out + g * d + 16 * (c + i), v16_mul(acc[g][i], norm));
         }
     }
 }
 
-/* A thread's items' key and value rows are asked into L2 (prefetcht1) up to PREFETCH_BYTES ahead of the item in hand,
+/* exp(x) for x <= 0 as the softmax takes it (every lane the same) */
+static inline float exp_nonpositive1(float x) { return v16_reduce_max(v16_exp_nonpositive(v16_set1(x))); }
+
+/* One head's chunk results merged into its bf16 output, in chunk order (see the top): `partial` is the head's result
+ * for the first chunk, `stride` floats before the next chunk's */
+static void merge_chunks(const float *partial, int64_t chunks, int64_t stride, int64_t d, uint16_t *out) {
+    float top = -INFINITY;
+    for (int64_t c = 0; c < chunks; c++) top = partial[c * stride + d] > top ? partial[c * stride + d] : top;
+    v16 acc[MAX_ATTENTION_HEAD_DIM / 16];
+    int64_t lanes = d / 16;
+    for (int64_t i = 0; i < lanes; i++) acc[i] = v16_zero();
+    float total = 0.0f;
+    for (int64_t c = 0; c < chunks; c++) {
+        const float *part = partial + c * stride;
+        float w = exp_nonpositive1(part[d] - top);
+        total += part[d + 1] * w;
+        for (int64_t i = 0; i < lanes; i++) acc[i] = v16_fma(v16_load(part + 16 * i), v16_set1(w), acc[i]);
+    }
+    v16 norm = v16_set1(1.0f / total);
+    for (int64_t i = 0; i < lanes; i++) v16_store_bf16(out + 16 * i, v16_mul(acc[i], norm));
+}
+
+static inline int64_t key_chunks(int64_t count) { return count > KEY_CHUNK ? (count + KEY_CHUNK - 1) / KEY_CHUNK : 1; }
+
+/* A unit of work: query heads [h, h + gs) of row r (the `part`-th group of KV head kv's) over the row's keys
+ * [key, key + keys). chunk < 0: the unit is the row's whole softmax, the row's chunks one after another where it has
+ * several, and writes the heads' outputs; else it is chunk `chunk` of the row's `chunks` and writes its results at
+ * `at` in the call's shared scratch, merged after the team's barrier. */
+typedef struct {
+    int64_t r, kv, part, h, gs, key, keys, chunk, chunks, at;
+} unit;
+
+/* The call's inputs, as paged_attention takes them */
+typedef struct {
+    const uint16_t *q, *k_cache, *v_cache;
+    const int64_t *slots, *offset;
+    int64_t q_stride, hq, hkv, d;
+    float scale, softcap;
+    uint16_t *out;
+} call;
+
+/* heads [h, h + gs) of row r over its keys [key, key + keys) -> out (gs, d) bf16, or partial (gs, PARTIAL(d)) */
+static void attend(const call *c, int64_t r, int64_t kv, int64_t h, int64_t gs, int64_t key, int64_t keys,
+                   float *scores, uint16_t *out, float *partial) {
+    const uint16_t *q = c->q + r * c->q_stride + h * c->d, *kc = c->k_cache + kv * c->d, *vc = c->v_cache + kv * c->d;
+    const int64_t *sl = c->slots + c->offset[r] + key, stride = c->hkv * c->d, d = c->d;
+    switch (gs) {
+        case 1: attend_group(q, d, kc, vc, sl, keys, stride, d, c->scale, c->softcap, scores, out, partial, 1); break;
+        case 2: attend_group(q, d, kc, vc, sl, keys, stride, d, c->scale, c->softcap, scores, out, partial, 2); break;
+        case 3: attend_group(q, d, kc, vc, sl, keys, stride, d, c->scale, c->softcap, scores, out, partial, 3); break;
+        default: attend_group(q, d, kc, vc, sl, keys, stride, d, c->scale, c->softcap, scores, out, partial, 4); break;
+    }
+}
+
+/* A whole row's unit: its softmax in one pass, or chunk by chunk into `own` (this thread's scratch) and merged */
+static void attend_row(const call *c, const unit *u, float *scores, float *own) {
+    uint16_t *out = c->out + (u->r * c->hq + u->h) * c->d;
+    if (u->chunks == 1) {
+        attend(c, u->r, u->kv, u->h, u->gs, u->key, u->keys, scores, out, NULL);
+        return;
+    }
+    int64_t each = u->gs * PARTIAL(c->d);
+    for (int64_t k = 0; k < u->chunks; k++) {
+        int64_t key = k * KEY_CHUNK, keys = u->keys - key < KEY_CHUNK ? u->keys - key : KEY_CHUNK;
+        attend(c, u->r, u->kv, u->h, u->gs, key, keys, scores, NULL, own + k * each);
+    }
+    for (int64_t g = 0; g < u->gs; g++) merge_chunks(own + g * PARTIAL(c->d), u->chunks, each, c->d, out + g * c->d);
+}
+
+/* A thread's units' key and value rows are asked into L2 (prefetcht1) up to PREFETCH_BYTES ahead of the unit in hand,
  * a row at a time. Why: a decode step finds each layer's cache cold (the step streams all the weights between two
  * visits of a layer), and the loops' own loads, a key at a time, kept too few lines in flight: 16 rows of 70 keys took
  * 3x as long cold as hot (`scripts/attention_speed.py --cold`; the README has the figures). Asking for each item's rows
  * just before it, or for the budget's rows in one tight loop, gained less than this, measured. */
 #define PREFETCH_BYTES (512 << 10)
 typedef struct {
-    int64_t item, key, bytes; /* the next row to ask for; the bytes asked for so far */
+    int64_t unit, key, bytes; /* the next row to ask for; the bytes asked for so far */
 } prefetch_cursor;
 
-/* the bytes of an item's rows (a part of a KV head's query heads after its first reads the same rows) */
-static inline int64_t item_bytes(const int64_t *count, int64_t r, int64_t part, int64_t d) {
-    return part ? 0 : count[r] * 4 * d;
-}
+/* the bytes of a unit's rows (a later part of a KV head's query heads reads the rows its first part read) */
+static inline int64_t unit_bytes(const unit *u, int64_t d) { return u->part ? 0 : u->keys * 4 * d; }
 
-/* asks for rows from the cursor on until `upto` bytes have been asked for, or the items up to `end` are all asked */
-static void prefetch_rows(prefetch_cursor *c, int64_t upto, int64_t end, const uint16_t *k_cache,
-                          const uint16_t *v_cache, const int64_t *slots, const int64_t *offset, const int64_t *count,
-                          int64_t hkv, int64_t parts, int64_t d) {
-    while (c->bytes < upto && c->item < end) {
-        int64_t r = c->item / (hkv * parts), kv = c->item / parts % hkv;
-        if (c->item % parts || c->key >= count[r]) { /* a later part of the same rows, or the item's rows done */
-            c->item++, c->key = 0;
+/* asks for rows from the cursor on until `upto` bytes have been asked for, or the units up to `end` are all asked */
+static void prefetch_rows(prefetch_cursor *cur, int64_t upto, int64_t end, const unit *units, const call *c) {
+    while (cur->bytes < upto && cur->unit < end) {
+        const unit *u = &units[cur->unit];
+        if (u->part || cur->key >= u->keys) { /* a later part of the same rows, or the unit's rows done */
+            cur->unit++, cur->key = 0;
             continue;
         }
-        int64_t slot = slots[offset[r] + c->key++];
-        for (int64_t b = 0; b < 2 * d; b += 64) {
-            _mm_prefetch((const char *)(k_cache + (slot * hkv + kv) * d) + b, _MM_HINT_T1);
-            _mm_prefetch((const char *)(v_cache + (slot * hkv + kv) * d) + b, _MM_HINT_T1);
+        int64_t slot = c->slots[c->offset[u->r] + u->key + cur->key++], row = (slot * c->hkv + u->kv) * c->d;
+        for (int64_t b = 0; b < 2 * c->d; b += 64) {
+            _mm_prefetch((const char *)(c->k_cache + row) + b, _MM_HINT_T1);
+            _mm_prefetch((const char *)(c->v_cache + row) + b, _MM_HINT_T1);
         }
-        c->bytes += 4 * d;
+        cur->bytes += 4 * c->d;
     }
 }
 
+/* The call's units into units (NULL: only counted): (row, KV head, part of its query heads of `size`), each whole,
+ * or with `split` each chunk of a row over KEY_CHUNK keys a unit of its own. Returns how many, and in *scratch how
+ * many heads' chunk results (PARTIAL(d) floats each) the chunk units write to the shared scratch. */
+static int64_t plan_units(const int64_t *count, int64_t rows, int64_t hq, int64_t hkv, int64_t size, int split,
+                          unit *units, int64_t *scratch) {
+    int64_t group = hq / hkv, n = 0, at = 0;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t kv = 0; kv < hkv; kv++)
+            for (int64_t part = 0; part * size < group; part++) {
+                int64_t h = kv * group + part * size, gs = group - part * size < size ? group - part * size : size;
+                int64_t chunks = key_chunks(count[r]);
+                if (!split || chunks == 1) {
+                    if (units) units[n] = (unit){r, kv, part, h, gs, 0, count[r], -1, chunks, 0};
+                    n++;
+                    continue;
+                }
+                for (int64_t k = 0; k < chunks; k++, n++) {
+                    int64_t key = k * KEY_CHUNK, keys = count[r] - key < KEY_CHUNK ? count[r] - key : KEY_CHUNK;
+                    if (units) units[n] = (unit){r, kv, part, h, gs, key, keys, k, chunks, at};
+                    at += gs;
+                }
+            }
+    *scratch = at;
+    return n;
+}
+
 /* q (rows, hq, d) with row stride q_stride; caches (slots, hkv, d); out (rows, hq, d) contiguous. Returns 0, or -1
- * for an unsupported head size or no memory for the scores. */
+ * for an unsupported head size or no memory for the work's plan. */
 int paged_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                     const int64_t *slots, const int64_t *offset, const int64_t *count, int64_t rows, int64_t hq,
                     int64_t hkv, int64_t d, float scale, float softcap, uint16_t *out, int threads) {
     if (d % 16 || d > MAX_ATTENTION_HEAD_DIM || hq % hkv) return -1;
-    /* Query heads a KV head's item computes together: GROUP, or fewer where the items would leave a thread idle (a
-     * single stream's step has one row, and Gemma 3 one KV head): each head's numbers do not depend on its group */
-    int64_t group = hq / hkv, size = GROUP;
-    while (size > 1 && rows * hkv * ((group + size - 1) / size) < threads) size /= 2;
-    int64_t longest = 1, parts = (group + size - 1) / size;
+    const call c = {q, k_cache, v_cache, slots, offset, q_stride, hq, hkv, d, scale, softcap, out};
+    /* Work for every thread: rows' whole softmaxes where there are enough (GROUP query heads a KV head together,
+     * sharing their loads); else a long row's chunks apart, and a KV head's query heads in smaller groups, until the
+     * units would not leave a thread idle (a single stream's step has one row, and Gemma 3 one KV head). Neither
+     * changes a head's numbers. */
+    int64_t size = GROUP, need = 0, longest = 1, group = hq / hkv;
+    int split = rows * hkv * ((group + GROUP - 1) / GROUP) < threads;
     for (int64_t r = 0; r < rows; r++) longest = count[r] > longest ? count[r] : longest;
+    while (size > 1 && plan_units(count, rows, hq, hkv, size, split, NULL, &need) < threads) size /= 2;
+    int64_t n = plan_units(count, rows, hq, hkv, size, split, NULL, &need);
+    unit *units = malloc((size_t)n * sizeof *units);
+    float *shared = need ? malloc((size_t)(need * PARTIAL(d)) * sizeof *shared) : NULL;
+    if (units == NULL || (need && shared == NULL)) {
+        free(units);
+        free(shared);
+        return -1;
+    }
+    plan_units(count, rows, hq, hkv, size, split, units, &need);
+    /* a whole row's chunks, where a row has several and its units are whole rows */
+    int64_t own_floats = !split && key_chunks(longest) > 1 ? key_chunks(longest) * GROUP * PARTIAL(d) : 0;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        float *scores = malloc((size_t)(GROUP * (longest + 16)) * sizeof *scores);
-        if (scores == NULL) failed = 1;
-        /* this thread's items, as schedule(static) deals them (one run of consecutive items), with their cache rows
+        float scores[GROUP * (KEY_CHUNK + 16)];
+        float *own = own_floats ? malloc((size_t)own_floats * sizeof *own) : NULL;
+        if (own_floats && own == NULL) failed = 1;
+        /* this thread's units, as schedule(static) deals them (one run of consecutive units), with their cache rows
          * asked for ahead of them */
-        int64_t items = rows * hkv * parts, team = omp_get_num_threads(), me = omp_get_thread_num();
-        int64_t first = items * me / team, end = items * (me + 1) / team;
+        int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+        int64_t first = n * me / team, end = n * (me + 1) / team;
         prefetch_cursor ahead = {first, 0, 0};
         int64_t used = 0;
-        for (int64_t item = first; item < end; item++) { /* (row, KV head, part of its query heads) */
-            if (scores == NULL) continue;
-            int64_t r = item / (hkv * parts), kv = item / parts % hkv, h = kv * group + item % parts * size;
-            prefetch_rows(&ahead, used + PREFETCH_BYTES, end, k_cache, v_cache, slots, offset, count, hkv, parts, d);
-            used += item_bytes(count, r, item % parts, d);
-            int64_t gs = group - item % parts * size < size ? group - item % parts * size : size;
-            const uint16_t *qh = q + r * q_stride + h * d, *kc = k_cache + kv * d, *vc = v_cache + kv * d;
-            const int64_t *sl = slots + offset[r];
-            uint16_t *o = out + (r * hq + h) * d;
-            switch (gs) {
-                case 1: attend_group(qh, d, kc, vc, sl, count[r], hkv * d, d, scale, softcap, scores, o, 1); break;
-                case 2: attend_group(qh, d, kc, vc, sl, count[r], hkv * d, d, scale, softcap, scores, o, 2); break;
-                case 3: attend_group(qh, d, kc, vc, sl, count[r], hkv * d, d, scale, softcap, scores, o, 3); break;
-                default: attend_group(qh, d, kc, vc, sl, count[r], hkv * d, d, scale, softcap, scores, o, 4); break;
+        for (int64_t i = first; i < end && !failed; i++) {
+            const unit *u = &units[i];
+            prefetch_rows(&ahead, used + PREFETCH_BYTES, end, units, &c);
+            used += unit_bytes(u, d);
+            if (u->chunk < 0)
+                attend_row(&c, u, scores, own);
+            else
+                attend(&c, u->r, u->kv, u->h, u->gs, u->key, u->keys, scores, NULL, shared + u->at * PARTIAL(d));
+        }
+        free(own);
+        if (need) {
+#pragma omp barrier
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < n; i++) { /* each chunked row's first chunk unit merges its heads */
+                const unit *u = &units[i];
+                if (u->chunk != 0) continue;
+                for (int64_t g = 0; g < u->gs; g++)
+                    merge_chunks(shared + (u->at + g) * PARTIAL(d), u->chunks, u->gs * PARTIAL(d), d,
+                                 out + (u->r * hq + u->h + g) * d);
             }
         }
-        free(scores);
     }
+    free(units);
+    free(shared);
     return failed ? -1 : 0;
 }
 
