@@ -43,15 +43,17 @@ def test_attention(avx2: ctypes.CDLL, hq: int, hkv: int, d: int, softcap: float)
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(4, 1, 256), (8, 2, 64)])
 def test_attention_over_chunks_of_keys(avx2: ctypes.CDLL, hq: int, hkv: int, d: int) -> None:
     """Rows over ATTENTION_KEY_CHUNK keys, chunk by chunk: the same bits from both builds, and a row's bits the same
-    decoded alone (its chunks shared between the threads) as beside others (each row's chunks on one thread)."""
+    decoded alone or among three (its chunks shared between the threads) as among four (each row's chunks on one
+    thread, the rows shared evenly)."""
     chunk = ops.ATTENTION_KEY_CHUNK
     gen = torch.Generator().manual_seed(7)
     k_cache = torch.randn(5 * chunk, hkv, d, generator=gen).to(BF16)
     v_cache = torch.randn(5 * chunk, hkv, d, generator=gen).to(BF16)
     slots = torch.randperm(5 * chunk, generator=gen)
-    q = (torch.randn(3, hq, d, generator=gen) * 0.3).to(BF16)
-    offset = torch.zeros(3, dtype=torch.int64)
-    count = torch.tensor([chunk + 1, 2 * chunk, 4 * chunk + 77])  # a chunk of one key; whole chunks; a ragged end
+    q = (torch.randn(4, hq, d, generator=gen) * 0.3).to(BF16)
+    offset = torch.zeros(4, dtype=torch.int64)
+    # a chunk of one key; whole chunks; a ragged end; one short row
+    count = torch.tensor([chunk + 1, 2 * chunk, 4 * chunk + 77, 40])
 
     def attention(lib: ctypes.CDLL, rows: slice) -> torch.Tensor:  # on two threads, as a 2-core server runs it
         qs, n = q[rows].contiguous(), count[rows]
@@ -62,13 +64,15 @@ def test_attention_over_chunks_of_keys(avx2: ctypes.CDLL, hq: int, hkv: int, d: 
 
     native = ops.library()
     assert native is not None
-    batch = attention(native, slice(0, 3))
-    for r in range(3):
+    batch = attention(native, slice(0, 4))
+    assert torch.equal(attention(native, slice(0, 3)), batch[:3])
+    for r in range(4):
         assert torch.equal(attention(native, slice(r, r + 1))[0], batch[r]), r
-    assert torch.equal(attention(avx2, slice(0, 3)), batch)
+    assert torch.equal(attention(avx2, slice(0, 4)), batch)
+    assert torch.equal(attention(avx2, slice(0, 3)), batch[:3])
     # and right: float64 softmax attention, to bf16's rounding
     keys, values = k_cache[slots].double(), v_cache[slots].double()
-    for r in range(3):
+    for r in range(4):
         for h in range(hq):
             kv = h // (hq // hkv)
             weights = torch.softmax(q[r, h].double() @ keys[: count[r], kv].T * d**-0.5, dim=-1)

@@ -269,8 +269,9 @@ def test_a_long_context_decodes_the_same_alone_as_beside_others(tmp_path: Path) 
         core.add_request(f"r{i}", prompt, params)
         alone[f"r{i}"] = _tokens_and_logprobs(run_all(core)[f"r{i}"])
     core = build_engine_core(model, tiny_tokenizer(), config)
-    for i, prompt in enumerate(long_prompts):  # decoded side by side, beside a short request's prefill and decodes
+    for i, prompt in enumerate(long_prompts):  # decoded side by side, beside short requests' prefills and decodes
         core.add_request(f"r{i}", prompt, params)
-    core.add_request("short", [2, 7, 9], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    for i in range(2):  # four rows a decode step: each row on one thread, where one or three share out their chunks
+        core.add_request(f"short{i}", [2, 7 + i, 9], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     together = {rid: _tokens_and_logprobs(outs) for rid, outs in run_all(core).items()}
     assert {rid: together[rid] for rid in alone} == alone

@@ -13,8 +13,8 @@
  * against its own largest score: m_c, l_c = sum p_j, o_c = sum p_j v_j; then, in chunk order, M = max m_c,
  * w_c = exp(m_c - M), out = (sum_c w_c o_c) / (sum_c w_c l_c). Why: a single stream's step has one row, and Gemma 3 one
  * KV head, so without chunks one thread read a long context's keys and values while the other waited; the chunks go
- * to both. Where a row's chunks are computed (which thread, beside what) never changes its numbers: they depend on its
- * key count alone, so a row still gets the same bits alone, batched or in a prefill.
+ * to both (and a few rows' to the threads evenly). Where a row's chunks are computed (which thread, beside what) never
+ * changes its numbers: they depend on its key count alone, so a row gets the same bits alone, batched or in a prefill.
  *
  * Row r sees the keys at cache slots slots[offset[r]], ..., slots[offset[r] + count[r] - 1] (its visible positions,
  * in position order); attention.py builds these from each sequence's block table and the layer's window.
@@ -206,21 +206,6 @@ static void attend(const call *c, int64_t r, int64_t kv, int64_t h, int64_t gs, 
     }
 }
 
-/* A whole row's unit: its softmax in one pass, or chunk by chunk into `own` (this thread's scratch) and merged */
-static void attend_row(const call *c, const unit *u, float *scores, float *own) {
-    uint16_t *out = c->out + (u->r * c->hq + u->h) * c->d;
-    if (u->chunks == 1) {
-        attend(c, u->r, u->kv, u->h, u->gs, u->key, u->keys, scores, out, NULL);
-        return;
-    }
-    int64_t each = u->gs * PARTIAL(c->d);
-    for (int64_t k = 0; k < u->chunks; k++) {
-        int64_t key = k * KEY_CHUNK, keys = u->keys - key < KEY_CHUNK ? u->keys - key : KEY_CHUNK;
-        attend(c, u->r, u->kv, u->h, u->gs, key, keys, scores, NULL, own + k * each);
-    }
-    for (int64_t g = 0; g < u->gs; g++) merge_chunks(own + g * PARTIAL(c->d), u->chunks, each, c->d, out + g * c->d);
-}
-
 /* A thread's units' key and value rows are asked into L2 (prefetcht1) up to PREFETCH_BYTES ahead of the unit in hand,
  * a row at a time. Why: a decode step finds each layer's cache cold (the step streams all the weights between two
  * visits of a layer), and the loops' own loads, a key at a time, kept too few lines in flight: 16 rows of 70 keys took
@@ -231,8 +216,12 @@ typedef struct {
     int64_t unit, key, bytes; /* the next row to ask for; the bytes asked for so far */
 } prefetch_cursor;
 
-/* the bytes of a unit's rows (a later part of a KV head's query heads reads the rows its first part read) */
-static inline int64_t unit_bytes(const unit *u, int64_t d) { return u->part ? 0 : u->keys * 4 * d; }
+/* the bytes of a unit's rows, or of its first chunk's where it is a whole row of several (attend_row counts the
+ * others as it comes to them); a later part of a KV head's query heads reads the rows its first part read */
+static inline int64_t unit_bytes(const unit *u, int64_t d) {
+    int64_t keys = u->chunk < 0 && u->keys > KEY_CHUNK ? KEY_CHUNK : u->keys;
+    return u->part ? 0 : keys * 4 * d;
+}
 
 /* asks for rows from the cursor on until `upto` bytes have been asked for, or the units up to `end` are all asked */
 static void prefetch_rows(prefetch_cursor *cur, int64_t upto, int64_t end, const unit *units, const call *c) {
@@ -249,6 +238,28 @@ static void prefetch_rows(prefetch_cursor *cur, int64_t upto, int64_t end, const
         }
         cur->bytes += 4 * c->d;
     }
+}
+
+/* A whole row's unit: its softmax in one pass, or chunk by chunk into `own` (this thread's scratch) and merged. The
+ * thread's cursor asks for rows ahead of each chunk (`used`: the bytes of its units and chunks begun so far), as of
+ * each unit: a long row's rows were otherwise asked for only PREFETCH_BYTES into it. */
+static void attend_row(const call *c, const unit *u, float *scores, float *own, prefetch_cursor *ahead, int64_t *used,
+                       int64_t end, const unit *units) {
+    uint16_t *out = c->out + (u->r * c->hq + u->h) * c->d;
+    if (u->chunks == 1) {
+        attend(c, u->r, u->kv, u->h, u->gs, u->key, u->keys, scores, out, NULL);
+        return;
+    }
+    int64_t each = u->gs * PARTIAL(c->d);
+    for (int64_t k = 0; k < u->chunks; k++) {
+        int64_t key = k * KEY_CHUNK, keys = u->keys - key < KEY_CHUNK ? u->keys - key : KEY_CHUNK;
+        if (k) { /* the first chunk's rows were asked for with the unit's */
+            prefetch_rows(ahead, *used + PREFETCH_BYTES, end, units, c);
+            *used += u->part ? 0 : keys * 4 * c->d;
+        }
+        attend(c, u->r, u->kv, u->h, u->gs, key, keys, scores, NULL, own + k * each);
+    }
+    for (int64_t g = 0; g < u->gs; g++) merge_chunks(own + g * PARTIAL(c->d), u->chunks, each, c->d, out + g * c->d);
 }
 
 /* The call's units into units (NULL: only counted): (row, KV head, part of its query heads of `size`), each whole,
@@ -284,12 +295,13 @@ int paged_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache
                     int64_t hkv, int64_t d, float scale, float softcap, uint16_t *out, int threads) {
     if (d % 16 || d > MAX_ATTENTION_HEAD_DIM || hq % hkv) return -1;
     const call c = {q, k_cache, v_cache, slots, offset, q_stride, hq, hkv, d, scale, softcap, out};
-    /* Work for every thread: rows' whole softmaxes where there are enough (GROUP query heads a KV head together,
-     * sharing their loads); else a long row's chunks apart, and a KV head's query heads in smaller groups, until the
-     * units would not leave a thread idle (a single stream's step has one row, and Gemma 3 one KV head). Neither
-     * changes a head's numbers. */
+    /* Work for every thread: rows' whole softmaxes where they share out evenly (GROUP query heads a KV head
+     * together, sharing their loads); else, with a few rows (a single stream's step has one row, and Gemma 3 one KV
+     * head; three rows on two threads left one idle half the time), long rows' chunks apart, and a KV head's query
+     * heads in smaller groups until the units would not leave a thread idle. Neither changes a head's numbers. */
     int64_t size = GROUP, need = 0, longest = 1, group = hq / hkv;
-    int split = rows * hkv * ((group + GROUP - 1) / GROUP) < threads;
+    int64_t items = rows * hkv * ((group + GROUP - 1) / GROUP);
+    int split = items < threads || (items < 4 * threads && items % threads);
     for (int64_t r = 0; r < rows; r++) longest = count[r] > longest ? count[r] : longest;
     while (size > 1 && plan_units(count, rows, hq, hkv, size, split, NULL, &need) < threads) size /= 2;
     int64_t n = plan_units(count, rows, hq, hkv, size, split, NULL, &need);
@@ -320,7 +332,7 @@ int paged_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache
             prefetch_rows(&ahead, used + PREFETCH_BYTES, end, units, &c);
             used += unit_bytes(u, d);
             if (u->chunk < 0)
-                attend_row(&c, u, scores, own);
+                attend_row(&c, u, scores, own, &ahead, &used, end, units);
             else
                 attend(&c, u->r, u->kv, u->h, u->gs, u->key, u->keys, scores, NULL, shared + u->at * PARTIAL(d));
         }
