@@ -36,15 +36,12 @@ async def measure(urls: list[str], targets: list[int], rounds: int) -> None:
         found = [(url, *await load.discover(client, url)) for url in urls]
         # the EOS ids one server reports (tokenmill's /tokenizer_info) for all: they serve the same file
         eos = next((ids for _, _, ids in found if ids), ())
-        servers = []
-        for url, model, _ in found:
-            per_passage = (await prompt_tokens(client, url, model, PASSAGE * 10)) / 10
-            servers.append((url, model, eos, per_passage))
+        servers = [(url, model, await prompt_tokens(client, url, model, PASSAGE * 10) / 10) for url, model, _ in found]
         for target in targets:
             rates: dict[str, list[float]] = {url: [] for url in urls}
             prefills: dict[str, list[float]] = {url: [] for url in urls}
             for r in range(rounds):
-                for url, model, eos, per_passage in servers:
+                for url, model, per_passage in servers:
                     text = f"Round {r} of {target}.\n" + PASSAGE * max(1, round(target / per_passage))
                     body = load.completion_body(model, text, NEW_TOKENS, eos)
                     result = await load.stream_completion(client, url, body, timeout_s=600)
@@ -52,7 +49,7 @@ async def measure(urls: list[str], targets: list[int], rounds: int) -> None:
                         raise SystemExit(f"{url}: {result.error or 'no tokens'}")
                     rates[url].append((result.completion_tokens - 1) / (result.last_token_s - result.ttft_s))
                     prefills[url].append(result.ttft_s)
-            for url, model, _, _ in servers:
+            for url, model, _ in servers:
                 print(
                     f"~{target} prompt tokens  {model} at {url}: decode "
                     f"{' / '.join(f'{v:.1f}' for v in rates[url])} tok/s (median {statistics.median(rates[url]):.1f}), "

@@ -176,6 +176,11 @@ static void merge_chunks(const float *partial, int64_t chunks, int64_t stride, i
 
 static inline int64_t key_chunks(int64_t count) { return count > KEY_CHUNK ? (count + KEY_CHUNK - 1) / KEY_CHUNK : 1; }
 
+/* the keys of chunk k of a row of `count` */
+static inline int64_t chunk_keys(int64_t count, int64_t k) {
+    return count - k * KEY_CHUNK < KEY_CHUNK ? count - k * KEY_CHUNK : KEY_CHUNK;
+}
+
 /* A unit of work: query heads [h, h + gs) of row r (the `part`-th group of KV head kv's) over the row's keys
  * [key, key + keys). chunk < 0: the unit is the row's whole softmax, the row's chunks one after another where it has
  * several, and writes the heads' outputs; else it is chunk `chunk` of the row's `chunks` and writes its results at
@@ -216,13 +221,6 @@ typedef struct {
     int64_t unit, key, bytes; /* the next row to ask for; the bytes asked for so far */
 } prefetch_cursor;
 
-/* the bytes of a unit's rows, or of its first chunk's where it is a whole row of several (attend_row counts the
- * others as it comes to them); a later part of a KV head's query heads reads the rows its first part read */
-static inline int64_t unit_bytes(const unit *u, int64_t d) {
-    int64_t keys = u->chunk < 0 && u->keys > KEY_CHUNK ? KEY_CHUNK : u->keys;
-    return u->part ? 0 : keys * 4 * d;
-}
-
 /* asks for rows from the cursor on until `upto` bytes have been asked for, or the units up to `end` are all asked */
 static void prefetch_rows(prefetch_cursor *cur, int64_t upto, int64_t end, const unit *units, const call *c) {
     while (cur->bytes < upto && cur->unit < end) {
@@ -240,24 +238,33 @@ static void prefetch_rows(prefetch_cursor *cur, int64_t upto, int64_t end, const
     }
 }
 
-/* A whole row's unit: its softmax in one pass, or chunk by chunk into `own` (this thread's scratch) and merged. The
- * thread's cursor asks for rows ahead of each chunk (`used`: the bytes of its units and chunks begun so far), as of
- * each unit: a long row's rows were otherwise asked for only PREFETCH_BYTES into it. */
-static void attend_row(const call *c, const unit *u, float *scores, float *own, prefetch_cursor *ahead, int64_t *used,
-                       int64_t end, const unit *units) {
+/* A thread's asking ahead: its cursor, the bytes of the work it has begun, and where its units end */
+typedef struct {
+    prefetch_cursor cursor;
+    int64_t used, end;
+    const unit *units;
+} asking;
+
+/* Before `keys` of unit u's rows are read (the unit's, or one chunk's): rows asked for up to PREFETCH_BYTES past them.
+ * A later part of a KV head's query heads reads the rows its first part read. */
+static void ask_ahead(asking *a, const unit *u, int64_t keys, const call *c) {
+    prefetch_rows(&a->cursor, a->used + PREFETCH_BYTES, a->end, a->units, c);
+    a->used += u->part ? 0 : keys * 4 * c->d;
+}
+
+/* A whole row's unit: its softmax in one pass, or chunk by chunk into `own` (this thread's scratch) and merged. Rows
+ * are asked for ahead of each chunk, as of each unit: a long row's were otherwise asked for only PREFETCH_BYTES in. */
+static void attend_row(const call *c, const unit *u, float *scores, float *own, asking *ahead) {
     uint16_t *out = c->out + (u->r * c->hq + u->h) * c->d;
     if (u->chunks == 1) {
+        ask_ahead(ahead, u, u->keys, c);
         attend(c, u->r, u->kv, u->h, u->gs, u->key, u->keys, scores, out, NULL);
         return;
     }
     int64_t each = u->gs * PARTIAL(c->d);
     for (int64_t k = 0; k < u->chunks; k++) {
-        int64_t key = k * KEY_CHUNK, keys = u->keys - key < KEY_CHUNK ? u->keys - key : KEY_CHUNK;
-        if (k) { /* the first chunk's rows were asked for with the unit's */
-            prefetch_rows(ahead, *used + PREFETCH_BYTES, end, units, c);
-            *used += u->part ? 0 : keys * 4 * c->d;
-        }
-        attend(c, u->r, u->kv, u->h, u->gs, key, keys, scores, NULL, own + k * each);
+        ask_ahead(ahead, u, chunk_keys(u->keys, k), c);
+        attend(c, u->r, u->kv, u->h, u->gs, k * KEY_CHUNK, chunk_keys(u->keys, k), scores, NULL, own + k * each);
     }
     for (int64_t g = 0; g < u->gs; g++) merge_chunks(own + g * PARTIAL(c->d), u->chunks, each, c->d, out + g * c->d);
 }
@@ -279,8 +286,8 @@ static int64_t plan_units(const int64_t *count, int64_t rows, int64_t hq, int64_
                     continue;
                 }
                 for (int64_t k = 0; k < chunks; k++, n++) {
-                    int64_t key = k * KEY_CHUNK, keys = count[r] - key < KEY_CHUNK ? count[r] - key : KEY_CHUNK;
-                    if (units) units[n] = (unit){r, kv, part, h, gs, key, keys, k, chunks, at};
+                    int64_t keys = chunk_keys(count[r], k);
+                    if (units) units[n] = (unit){r, kv, part, h, gs, k * KEY_CHUNK, keys, k, chunks, at};
                     at += gs;
                 }
             }
@@ -303,8 +310,8 @@ int paged_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache
     int64_t items = rows * hkv * ((group + GROUP - 1) / GROUP);
     int split = items < threads || (items < 4 * threads && items % threads);
     for (int64_t r = 0; r < rows; r++) longest = count[r] > longest ? count[r] : longest;
-    while (size > 1 && plan_units(count, rows, hq, hkv, size, split, NULL, &need) < threads) size /= 2;
     int64_t n = plan_units(count, rows, hq, hkv, size, split, NULL, &need);
+    while (n < threads && size > 1) n = plan_units(count, rows, hq, hkv, size /= 2, split, NULL, &need);
     unit *units = malloc((size_t)n * sizeof *units);
     float *shared = need ? malloc((size_t)(need * PARTIAL(d)) * sizeof *shared) : NULL;
     if (units == NULL || (need && shared == NULL)) {
@@ -325,16 +332,15 @@ int paged_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache
          * asked for ahead of them */
         int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
         int64_t first = n * me / team, end = n * (me + 1) / team;
-        prefetch_cursor ahead = {first, 0, 0};
-        int64_t used = 0;
+        asking ahead = {{first, 0, 0}, 0, end, units};
         for (int64_t i = first; i < end && !failed; i++) {
             const unit *u = &units[i];
-            prefetch_rows(&ahead, used + PREFETCH_BYTES, end, units, &c);
-            used += unit_bytes(u, d);
-            if (u->chunk < 0)
-                attend_row(&c, u, scores, own, &ahead, &used, end, units);
-            else
-                attend(&c, u->r, u->kv, u->h, u->gs, u->key, u->keys, scores, NULL, shared + u->at * PARTIAL(d));
+            if (u->chunk < 0) {
+                attend_row(&c, u, scores, own, &ahead);
+                continue;
+            }
+            ask_ahead(&ahead, u, u->keys, &c);
+            attend(&c, u->r, u->kv, u->h, u->gs, u->key, u->keys, scores, NULL, shared + u->at * PARTIAL(d));
         }
         free(own);
         if (need) {
