@@ -39,12 +39,18 @@ def main() -> None:
     parser.add_argument("--bench-prompts", action="store_true", help="the bench's prompts, one per row")
     parser.add_argument("--context", type=int, help="each prompt's tokens repeated to this many (a long context)")
     parser.add_argument("--no-amx", action="store_true", help="gguf_matmul without its AMX path (the same bits)")
+    parser.add_argument("--no-greedy-head", action="store_true", help="no 6-bit copy of a Q8_0 head (the same tokens)")
     parser.add_argument("--busy", type=float, nargs=2, metavar=("ON_MS", "OFF_MS"), help="a busy process beside")
     args = parser.parse_args()
     if args.no_amx:
         ops.gguf_amx(False)
     engine = AsyncEngine.from_config(
-        Config(model=(args.model,) if args.model else (), dtype=args.dtype, quantization=args.quantization)
+        Config(
+            model=(args.model,) if args.model else (),
+            dtype=args.dtype,
+            quantization=args.quantization,
+            greedy_head=not args.no_greedy_head,
+        )
     )
     core, tok = engine.core, engine.tokenizer
     texts = PROMPTS if args.bench_prompts else ("The capital of France is",)

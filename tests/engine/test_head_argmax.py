@@ -47,8 +47,8 @@ def test_the_outputs_are_the_ones_the_passes_over_the_logits_give(
     found = []
     summarised = core.runner.model.compute_logits_summarised
 
-    def watched(hidden: torch.Tensor):  # type: ignore[no-untyped-def]
-        logits, summary = summarised(hidden)
+    def watched(hidden: torch.Tensor, keep: list[int] | None = None):  # type: ignore[no-untyped-def]
+        logits, summary = summarised(hidden, keep)
         found.append(summary)
         return logits, summary
 
@@ -56,7 +56,7 @@ def test_the_outputs_are_the_ones_the_passes_over_the_logits_give(
     with_head = outputs(core)
     assert found and all(s is not None for s in found)  # the head's pass did answer
     monkeypatch.setattr(
-        core.runner.model, "compute_logits_summarised", lambda h: (core.runner.model.compute_logits(h), None)
+        core.runner.model, "compute_logits_summarised", lambda h, keep=None: (core.runner.model.compute_logits(h), None)
     )
     assert outputs(core) == with_head
 
@@ -69,3 +69,43 @@ def test_a_row_the_head_finds_not_finite_fails_only_its_request(tmp_path: Path) 
     outs = run_all(core)
     assert outs["biased"][-1].error is not None and "non-finite" in outs["biased"][-1].error
     assert all(o.error is None for name, got in outs.items() if name != "biased" for o in got)
+
+
+LONE = {  # a request alone in its steps: a lone greedy row reads the head's 6-bit copy where its sampling allows
+    "plain": SamplingParams(max_tokens=12, temperature=0.0),
+    "biased": SamplingParams(max_tokens=12, temperature=0.0, logit_bias={1: -100.0, 7: 3.0}),
+    "forced": SamplingParams(max_tokens=12, temperature=0.0, logit_bias={7: 100.0}),
+    "banned": SamplingParams(max_tokens=12, temperature=0.0, min_tokens=12, bad_words_ids=[[9], [14]]),
+    "penalised": SamplingParams(max_tokens=12, temperature=0.0, frequency_penalty=2.0, repetition_penalty=1.5),
+    "with logprobs": SamplingParams(max_tokens=12, temperature=0.0, logprobs=3),
+    "sampled": SamplingParams(max_tokens=12, temperature=0.8, seed=5),
+}
+
+
+def test_a_lone_greedy_row_decodes_the_same_from_the_heads_6_bit_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copy's pass answers only where the row's sampling reads nothing but its argmax and the ids it changes; its
+    tokens are those of the full pass, each request alone, with and without the copy."""
+    path = write_tiny_gguf(tmp_path / "q8.gguf", quantize=True)  # a Q8_0 head
+    answered: list[str] = []
+    greedy_row = ops.gguf_greedy_row
+
+    def watched(*args):  # type: ignore[no-untyped-def]
+        found = greedy_row(*args)
+        answered.append(name if found is not None else "")
+        return found
+
+    monkeypatch.setattr(ops, "gguf_greedy_row", watched)
+    tokens: dict[bool, dict[str, list[int]]] = {}
+    for copy in (True, False):
+        config = Config(model=str(path), cache_dir=str(tmp_path / "cache"), greedy_head=copy)
+        core = load_engine_core(config).core
+        assert (core.runner.model.lm_head.high6 is not None) == copy
+        tokens[copy] = {}
+        for i, (name, params) in enumerate(LONE.items()):
+            core.add_request(name, [2, 5 + i, 9, 14, 3], params)
+            tokens[copy][name] = [t for o in run_all(core)[name] for d in o.deltas for t in d.token_ids]
+    assert tokens[True] == tokens[False]
+    assert {"plain", "biased", "forced", "banned", "penalised"} <= set(answered)
+    assert not {"with logprobs", "sampled"} & set(answered)

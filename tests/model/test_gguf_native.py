@@ -14,8 +14,8 @@ from tests.model.gguf_blocks import IDS, MIXED, activations, native_model, weigh
 from tests.tiny_model import write_tiny_gguf
 from tokenmill.kernels import ops
 from tokenmill.model.causal_lm import CausalLM
-from tokenmill.model.gguf_linear import GgufEmbedding, GgufLinear, GgufWeight, Regrouping
-from tokenmill.model.gguf_quant import gguf_matmul
+from tokenmill.model.gguf_linear import GREEDY_REST, GgufEmbedding, GgufLinear, GgufWeight, Regrouping
+from tokenmill.model.gguf_quant import dequantize, gguf_matmul
 from tokenmill.model.loading.loader import load_model_files
 from tokenmill.model.registry import build_model
 
@@ -161,3 +161,22 @@ def test_a_head_without_the_kernels_pass_reports_nothing(tmp_path: Path, monkeyp
     with torch.inference_mode():
         logits, summary = fallback.compute_logits_summarised(hidden[:, : fallback.config.hidden_size])
     assert summary is None and logits.shape == (2, fallback.config.vocab_size)
+
+
+@pytest.mark.skipif(not ops.gguf_matmul_available(), reason="the GGUF kernel is not built here")
+def test_after_a_row_the_copy_cannot_answer_the_next_go_to_the_full_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    raw, k = weights(T.Q8_0, n=160)
+    head = GgufLinear([GgufWeight(int(T.Q8_0), raw, k)], greedy_copy=True)
+    assert GgufLinear([GgufWeight(int(T.Q8_0), raw, k)]).high6 is None  # only where asked for
+    calls = []
+    kernel = ops.gguf_greedy_row
+    monkeypatch.setattr(ops, "gguf_greedy_row", lambda *args: calls.append(1) or kernel(*args))
+    peaked = (dequantize(raw[7:8], int(T.Q8_0), k) * 20).to(torch.bfloat16)  # column 7 leads
+    found = head.greedy_row(peaked, [])
+    assert found is not None and found[1] == head.logits(peaked)[1][0]
+    flat = torch.zeros(1, k, dtype=torch.bfloat16)  # every logit equal: nothing to leave out
+    assert head.greedy_row(flat, []) is None and len(calls) == 2
+    for _ in range(GREEDY_REST):
+        assert head.greedy_row(peaked, []) is None
+    assert len(calls) == 2
+    assert head.greedy_row(peaked, []) is not None and len(calls) == 3

@@ -55,7 +55,9 @@ def load_engine_core(config: Config) -> LoadedEngine:
         quantization = "int8"
     try:
         loaded = load_model_files(config.model_path, config.cache_dir, dtype, quantization)
-        model = build_model(loaded.config, loaded.state_dict, prepared=loaded.prepared, quantized=loaded.quantized)
+        model = build_model(
+            loaded.config, loaded.state_dict, loaded.prepared, loaded.quantized, greedy_head=config.greedy_head
+        )
         tokenizer = loaded.tokenizer  # a GGUF's was built on a thread meanwhile
     except (UnsupportedModelError, UnsupportedTokenizerError, GgufFormatError, FileNotFoundError) as exc:
         raise ModelLoadError(str(exc)) from exc

@@ -20,7 +20,7 @@ from tokenmill.engine.outputs import FinishReason, RequestOutput, StepReport, To
 from tokenmill.engine.prompt_logprobs import prompt_logprob_entries
 from tokenmill.engine.request import RequestState
 from tokenmill.engine.runner import ModelRunner
-from tokenmill.engine.sample_step import gather_logits, non_finite_rows, sample_rows
+from tokenmill.engine.sample_step import gather_logits, greedy_keep, non_finite_rows, sample_rows
 from tokenmill.engine.sampler import Sampled, SampleInput
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.engine.scheduler import Scheduled, Scheduler
@@ -165,13 +165,14 @@ class EngineCore:
         to_sample = [(r, seq) for r, seq in to_sample if not seq.is_finished]
         if not to_sample:
             return
-        logits, summary = gather_logits(self.runner, hidden, [r for r, _ in to_sample])  # (N, V)
+        keep = self._greedy_keep(to_sample[0][1]) if len(to_sample) == 1 else None
+        logits, summary = gather_logits(self.runner, hidden, [r for r, _ in to_sample], keep)  # (N, V)
         for i in non_finite_rows(logits, summary):  # fails its request alone; the rest of the batch samples as usual
             self.fail(to_sample[i][1].request_id, "the model produced non-finite logits for this request")
         argmax: list[int | None] = list(summary.argmax) if summary is not None else [None] * len(to_sample)
-        keep = [i for i, (_, seq) in enumerate(to_sample) if not seq.is_finished]
-        if len(keep) < len(to_sample):
-            to_sample, logits, argmax = [to_sample[i] for i in keep], logits[keep], [argmax[i] for i in keep]
+        alive = [i for i, (_, seq) in enumerate(to_sample) if not seq.is_finished]
+        if len(alive) < len(to_sample):
+            to_sample, logits, argmax = [to_sample[i] for i in alive], logits[alive], [argmax[i] for i in alive]
         inputs = [
             SampleInput(
                 seq.params,
@@ -194,6 +195,13 @@ class EngineCore:
             except Exception as exc:
                 log.exception("sampling or detokenising %s failed", seq.request_id)
                 self.fail(seq.request_id, _describe(exc))
+
+    def _greedy_keep(self, seq: Sequence) -> list[int] | None:
+        """A lone row's ids whose logits its sampling reads besides its argmax, where it reads no others (greedy_keep):
+        the head may then skip the columns that cannot win."""
+        if seq.guided is not None:
+            return None
+        return greedy_keep(SampleInput(seq.params, None, seq.output_counts, seq.banned_ids(self.eos_ids), seq.seen_ids))
 
     def _append(self, seq: Sequence, result: Sampled) -> None:
         entry = None

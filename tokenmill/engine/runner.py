@@ -34,9 +34,12 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def logits_summarised(self, hidden: torch.Tensor) -> tuple[torch.Tensor, HeadSummary | None]:
-        """logits, with each row's argmax and finiteness where the head's own pass found them (a GGUF head)."""
-        return self.model.compute_logits_summarised(hidden)
+    def logits_summarised(
+        self, hidden: torch.Tensor, keep: list[int] | None = None
+    ) -> tuple[torch.Tensor, HeadSummary | None]:
+        """logits, with each row's argmax and finiteness where the head's own pass found them (a GGUF head); `keep`:
+        a lone greedy row's, as CausalLM.compute_logits_summarised takes it."""
+        return self.model.compute_logits_summarised(hidden, keep)
 
     def prepare(self, batch: Seq[Scheduled]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         ids: list[int] = []

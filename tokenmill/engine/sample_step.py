@@ -20,17 +20,22 @@ log = logging.getLogger(__name__)
 
 
 class HeadFn(Protocol):
-    def logits_summarised(self, hidden: torch.Tensor) -> tuple[torch.Tensor, HeadSummary | None]: ...
+    def logits_summarised(
+        self, hidden: torch.Tensor, keep: list[int] | None = None
+    ) -> tuple[torch.Tensor, HeadSummary | None]: ...
 
 
-def gather_logits(runner: HeadFn, hidden: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, HeadSummary | None]:
+def gather_logits(
+    runner: HeadFn, hidden: torch.Tensor, rows: list[int], keep: list[int] | None = None
+) -> tuple[torch.Tensor, HeadSummary | None]:
     """(N, V) logits for the hidden-state rows `rows`, one per entry, and what the head's own pass found in them
     (each row's argmax and finiteness) where it found it; each distinct row goes through the head once.
 
-    Forked choices repeat their parent's row: the head runs on the distinct rows and the repeats are copies.
+    Forked choices repeat their parent's row: the head runs on the distinct rows and the repeats are copies. `keep`
+    (one row): it is greedy and its sampling reads only its argmax and these ids' logits (greedy_keep).
     """
     distinct = sorted(set(rows))
-    logits, summary = runner.logits_summarised(hidden[distinct])  # (R, V)
+    logits, summary = runner.logits_summarised(hidden[distinct], keep if len(rows) == 1 else None)  # (R, V)
     if rows != distinct:
         index = {r: i for i, r in enumerate(distinct)}
         where = [index[r] for r in rows]
@@ -38,6 +43,17 @@ def gather_logits(runner: HeadFn, hidden: torch.Tensor, rows: list[int]) -> tupl
         if summary is not None:
             summary = HeadSummary([summary.argmax[i] for i in where], [summary.finite[i] for i in where])
     return logits, summary
+
+
+def greedy_keep(row: SampleInput) -> list[int] | None:
+    """What a lone row's sampling reads of its logits when that is only the argmax and a few ids (greedy, no
+    logprobs, one choice, no mask or allowed list): those ids (its bias, bans and penalties touch them), sorted;
+    else None, and the row needs all its logits."""
+    p = row.params
+    if not p.greedy or p.logprobs is not None or p.n > 1:
+        return None
+    touched = row.touched()
+    return sorted(touched) if touched is not None else None
 
 
 def non_finite_rows(logits: torch.Tensor, summary: HeadSummary | None = None) -> list[int]:

@@ -74,6 +74,7 @@ SIGNATURES: dict[str, tuple[CType | None, list[CType]]] = {
     "gguf_matmul": (_INT, [_PTR, _I64, _I64, _I64, _INT, _PTR, _I64, _PTR, _I64, _INT, _INT]),
     "gguf_matmul_gated": (_INT, [_PTR, _I64, _I64, _I64, _INT, _PTR, _I64, _PTR, _I64, _INT, _INT]),
     "gguf_matmul_logits": (_INT, [_PTR, _I64, _I64, _I64, _INT, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _INT]),
+    "gguf_greedy_row": (_INT, [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _INT]),
     "gguf_packed_bytes": (_I64, [_INT, _I64, _I64]),
     "gguf_repack": (_INT, [_INT, _PTR, _I64, _I64, _PTR, _INT]),
     "gguf_repack_all": (_INT, [_I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT]),

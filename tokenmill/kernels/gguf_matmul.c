@@ -45,6 +45,8 @@
 
 /* ggml's type numbers (gguf.GGMLQuantizationType) */
 enum { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+/* a layout of our own, regrouped from a Q8_0 tensor: its codes less their two low bits (gguf_greedy_row) */
+enum { HIGH6 = GGUF_Q8_0_HIGH6 };
 
 #if defined(WITH_SIMD)
 #include <immintrin.h>
@@ -166,7 +168,8 @@ static inline int64_t block_bytes(int type) {
     switch (type) {
         case Q4_0: return 18;
         case Q5_0: return 22;
-        case Q8_0: return 34;
+        case Q8_0:
+        case HIGH6: return 34;
         case Q4_K: return 144;
         case Q5_K: return 176;
         default: return 210; /* Q6_K */
@@ -177,7 +180,8 @@ static int64_t row_bytes_of(int type, int64_t k) {
     switch (type) {
         case Q4_0: return k / 32 * 18;
         case Q5_0: return k / 32 * 22;
-        case Q8_0: return k / 32 * 34;
+        case Q8_0:
+        case HIGH6: return k / 32 * 34;
         case Q4_K: return k % 256 ? -1 : k / 256 * 144;
         case Q5_K: return k % 256 ? -1 : k / 256 * 176;
         case Q6_K: return k % 256 ? -1 : k / 256 * 210;
@@ -239,6 +243,7 @@ static inline int64_t packed_unit_bytes(int type) {
         case Q4_K: return 64 + 256 + 8 * 256;
         case Q5_K: return 64 + 256 + 8 * (256 + 64);
         case Q6_K: return 32 + 256 + 8 * (256 + 128);
+        case HIGH6: return 32 + 256 + 128;
         default: return -1;
     }
 }
@@ -246,7 +251,7 @@ static inline int64_t packed_unit_bytes(int type) {
 /* bytes of one sub-block's codes: 4-bit part, then the fifth bits or Q6_K's 2-bit plane; Q8_0's bytes */
 static inline int64_t code_bytes(int type) {
     if (type == Q8_0) return 512;
-    return 256 + (type == Q5_0 || type == Q5_K ? 64 : type == Q6_K ? 128 : 0);
+    return 256 + (type == Q5_0 || type == Q5_K ? 64 : type == Q6_K || type == HIGH6 ? 128 : 0);
 }
 
 /* --- repacking (plain C, once at load) --- */
@@ -278,6 +283,9 @@ static void file_codes(int type, const uint8_t *blk, int j, uint8_t *codes) {
             _mm256_storeu_si256((__m256i *)codes, q4_q5_codes(blk + (type == Q5_0 ? 6 : 2), type == Q5_0 ? blk + 2 : NULL));
             return;
         case Q8_0: memcpy(codes, blk + 2, 32); return;
+        case HIGH6: /* floor(code / 4) + 32: Q6_K's unsigned range */
+            for (int e = 0; e < 32; e++) codes[e] = (uint8_t)(((int8_t)blk[2 + e] >> 2) + 32);
+            return;
         case Q4_K:
         case Q5_K: {
             const uint8_t *qs = blk + (type == Q5_K ? 48 : 16) + 32 * (j / 2);
@@ -322,7 +330,7 @@ static void repack_codes(int type, const uint8_t *const cols[GROUP], int j, uint
             }
             _mm256_storeu_si256((__m256i *)(out + 256 + i), b);
         }
-    if (type == Q6_K)
+    if (type == Q6_K || type == HIGH6)
         for (int h = 0; h < 2; h++)
             for (int i = 0; i < 64; i += 32) { /* bits 4-5 of vectors 4h..4h+3, two bits each */
                 __m256i b = _mm256_setzero_si256();
@@ -441,6 +449,15 @@ static inline fvec fv_mul(fvec a, fvec b) { return _mm512_mul_ps(a, b); }
 static inline fvec fv_sub(fvec a, fvec b) { return _mm512_sub_ps(a, b); }
 static inline fvec fv_fma(fvec a, fvec b, fvec c) { return _mm512_fmadd_ps(a, b, c); }
 static inline void fv_store(float *p, fvec v) { _mm512_storeu_ps(p, v); }
+static inline fvec fv_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline fvec fv_add(fvec a, fvec b) { return _mm512_add_ps(a, b); }
+static inline fvec fv_max(fvec a, fvec b) { return _mm512_max_ps(a, b); }
+static inline fvec fv_abs(fvec a) { return _mm512_abs_ps(a); }
+static inline int fv_any_ge(fvec a, fvec b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ) != 0; }
+static inline float fv_reduce_max(fvec a) { return _mm512_reduce_max_ps(a); }
+static inline float fv_reduce_add(fvec a) { return _mm512_reduce_add_ps(a); }
+static inline ivec iv_sub(ivec a, ivec b) { return _mm512_sub_epi32(a, b); }
+static inline ivec iv_times8(ivec a) { return _mm512_slli_epi32(a, 3); }
 /* 16 lanes to out as float32, or rounded to bf16 (nearest even, NaN kept) */
 static inline void fv_store_out(void *out, fvec v, int float_out) {
     if (float_out)
@@ -537,6 +554,31 @@ static inline void fv_store(float *p, fvec v) {
     _mm256_storeu_ps(p, v.a);
     _mm256_storeu_ps(p + 8, v.b);
 }
+static inline fvec fv_load(const float *p) { return FV2(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)); }
+static inline fvec fv_add(fvec x, fvec y) { return FV2(_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)); }
+static inline fvec fv_max(fvec x, fvec y) { return FV2(_mm256_max_ps(x.a, y.a), _mm256_max_ps(x.b, y.b)); }
+static inline fvec fv_abs(fvec x) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    return FV2(_mm256_andnot_ps(sign, x.a), _mm256_andnot_ps(sign, x.b));
+}
+static inline int fv_any_ge(fvec x, fvec y) {
+    __m256 ge = _mm256_or_ps(_mm256_cmp_ps(x.a, y.a, _CMP_GE_OQ), _mm256_cmp_ps(x.b, y.b, _CMP_GE_OQ));
+    return _mm256_movemask_ps(ge) != 0;
+}
+static inline float fv_reduce_max(fvec x) {
+    float lanes[16], best = -INFINITY;
+    fv_store(lanes, x);
+    for (int l = 0; l < 16; l++) best = lanes[l] > best ? lanes[l] : best;
+    return best;
+}
+static inline float fv_reduce_add(fvec x) {
+    float lanes[16], sum = 0.0f;
+    fv_store(lanes, x);
+    for (int l = 0; l < 16; l++) sum += lanes[l];
+    return sum;
+}
+static inline ivec iv_sub(ivec x, ivec y) { return IV2(_mm256_sub_epi32(x.a, y.a), _mm256_sub_epi32(x.b, y.b)); }
+static inline ivec iv_times8(ivec x) { return IV2(_mm256_slli_epi32(x.a, 3), _mm256_slli_epi32(x.b, 3)); }
 static inline void fv_store_out(void *out, fvec v, int float_out) {
     if (float_out) {
         fv_store(out, v);
@@ -556,7 +598,7 @@ ALWAYS_INLINE ivec packed_vector(int type, const uint8_t *codes, int g) {
     ivec v = iv_load(codes + 64 * (g % 4));
     ivec u = g < 4 ? iv_low4(v) : iv_high4(v);
     if (type == Q5_0 || type == Q5_K) u = iv_with_high_bits(u, iv_load(codes + 256), g, 0x10);
-    if (type == Q6_K) u = iv_with_high_bits(u, iv_load(codes + 256 + 64 * (g / 4)), 2 * (g % 4), 0x30);
+    if (type == Q6_K || type == HIGH6) u = iv_with_high_bits(u, iv_load(codes + 256 + 64 * (g / 4)), 2 * (g % 4), 0x30);
     return u;
 }
 
@@ -1109,7 +1151,7 @@ static void unit_product(int type, const uint8_t *w, int64_t group_bytes, const 
  * and finiteness as gguf_matmul_logits says. */
 static int matmul(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, int type, const uint8_t *w, int64_t n,
                   void *out, int64_t ldo, int float_out, int gated, int64_t *argmax, int32_t *finite, int threads) {
-    if (gguf_packed_bytes(type, n, k) < 0) return -1;
+    if (type == HIGH6 || gguf_packed_bytes(type, n, k) < 0) return -1;
     if (threads < 1) threads = 1;
     int64_t nb = k / 32, units = gated ? n / 2 / GROUP : (n + GROUP - 1) / GROUP;
 #if defined(WITH_AMX)
@@ -1208,6 +1250,196 @@ int gguf_matmul_gated(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t
                   threads);
 }
 
+
+/* --- a single greedy row's LM head from a 6-bit copy, exactly ------------------------------------------------
+ *
+ * A single stream's decode step reads the whole LM head for one row: on the default model that is 60% of the step,
+ * and memory-bound. Greedy decoding needs only the row's argmax (and, for a few ids a request's logit_bias or bans
+ * touch, their values), so this pass reads a copy of a Q8_0 head whose codes lost their two low bits (HIGH6: 26
+ * bytes a block of 32 instead of 34), bounds every column's exact logit from it, and computes exactly, with the
+ * Q8_0 codes and the full pass's own loop (packed_group_row), only the groups of 16 columns that can hold the
+ * largest value. The answer is the full pass's: the same argmax, the same bits for every column it computes.
+ *
+ * The bound: a Q8_0 code q is 4 h + l with h = floor(q / 4) and l in 0..3, so a block's exact integer sum
+ * sum q x = 4 sum h x + sum l x lies within 1.5 sum |x| of 4 sum h x + 1.5 sum x. With the block's scales d (the
+ * column's) and dx (the row's) the column's logit is within E = sum_b 1.5 |d| dx sum |x| of the estimate
+ * A = sum_b d (dx / 2) (8 sum u x - 253 sum x), u = h + 32 being the stored unsigned code (8 sum h x + 3 sum x in
+ * integers). Both float sums round; every term of the exact logit, of A and of E is within 253 / 1.5 of E's own
+ * term, so widening E by (blocks + 2) * 2^-22 * 253 / 1.5 (and a thousandth) covers all their roundings. Then no
+ * column whose A + E lies below floor = max over columns of (A - E) can be the argmax: the column that gives the floor
+ * is at least that. Columns in `keep` (the ids a request's bias, bans or penalties change) are computed exactly
+ * whatever their bound and left out of the floor, so that the largest untouched column is among those computed: the
+ * sampler's adjusted argmax is then the full row's. */
+#define GREEDY_MAX_BLOCKS 1024 /* rows of up to 32768 inputs: the widening above stays near 4% at most */
+#define GREEDY_MOST_GROUPS 8  /* more than 1 / this of the groups to compute exactly: the full pass is cheaper */
+
+/* The estimate A and the half-width E of a HIGH6 group's 16 columns against one row (`spread[b]` = 1.5 dx sum|x|) */
+static void high6_group(const uint8_t *w, const xblock *x, const float *spread, int64_t nb, fvec *value, fvec *width) {
+    const int64_t unit = packed_unit_bytes(HIGH6);
+    fvec acc = fv_zero(), err = fv_zero();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * unit, *codes = blk + 32;
+        const xblock *xb = x + b;
+        ivec c[4];
+        for (int g = 0; g < 8; g += 2)
+            c[g / 2] = iv_dot2(iv_zero(), packed_vector(HIGH6, codes, g), four(xb, g), packed_vector(HIGH6, codes, g + 1),
+                               four(xb, g + 1));
+        ivec sum = iv_add(iv_add(c[0], c[1]), iv_add(c[2], c[3]));
+        ivec est = iv_sub(iv_times8(sum), iv_set1(253 * xb->sum));
+        fvec d = fv_fp16(blk);
+        acc = fv_fma(fv_cvt(est), fv_mul(d, fv_set1(0.5f * xb->d)), acc);
+        err = fv_fma(fv_abs(d), fv_set1(spread[b]), err);
+    }
+    *value = acc;
+    *width = err;
+}
+
+/* What each thread found in its groups: the largest lower bound, the groups that may hold the argmax as it went (a
+ * group is noted while its largest upper bound reaches the thread's floor so far), and the sum of |A| + E */
+typedef struct {
+    float floor, magnitude;
+    int64_t noted;
+    int64_t *groups;
+    float *tops;
+} greedy_share;
+
+/* x: one row of K bf16 inputs; high6, w: the head's N columns regrouped by gguf_repack as GGUF_Q8_0_HIGH6 and as
+ * Q8_0; keep: `kept` sorted column ids to compute exactly. out (N floats): -inf but for the groups computed exactly,
+ * which hold gguf_matmul_logits's values; *argmax: the first column of the largest of them (the full row's argmax).
+ * Returns 0, or 1 where this pass cannot answer (the row or a bound not finite, or too many groups to compute) and
+ * the caller takes gguf_matmul_logits; -1 for a width or keep it does not take, -2 without memory. */
+int gguf_greedy_row(const uint16_t *x_in, int64_t k, const uint8_t *high6, const uint8_t *w, int64_t n,
+                    const int64_t *keep, int64_t kept, float *out, int64_t *argmax, int threads) {
+    if (k % 32 || k / 32 > GREEDY_MAX_BLOCKS || n <= 0) return -1;
+    for (int64_t i = 0; i < kept; i++)
+        if (keep[i] < 0 || keep[i] >= n || (i && keep[i] <= keep[i - 1])) return -1;
+    if (threads < 1) threads = 1;
+    const int64_t nb = k / 32, groups = (n + GROUP - 1) / GROUP;
+    const int64_t high6_bytes = nb * packed_unit_bytes(HIGH6), q8_bytes = nb * packed_unit_bytes(Q8_0);
+    const float widen = 1.0f + (float)(nb + 2) * (253.0f / 1.5f) * 0x1p-22f + 1e-3f;
+    xblock *x = malloc((size_t)nb * sizeof *x + 64);
+    float *spread = malloc((size_t)nb * sizeof *spread);
+    uint8_t *flagged = calloc((size_t)groups, 1); /* groups holding a kept column, or columns past N */
+    int64_t *chosen = malloc((size_t)groups * sizeof *chosen);
+    greedy_share *shares = calloc((size_t)threads, sizeof *shares);
+    group_claims *claims = aligned_alloc(64, (size_t)threads * sizeof *claims);
+    int64_t *noted = malloc((size_t)(threads * groups) * sizeof *noted); /* room for every group, per thread */
+    float *tops = malloc((size_t)(threads * groups) * sizeof *tops);
+    int status = 0;
+    if (!x || !spread || !flagged || !chosen || !shares || !claims || !noted || !tops) {
+        status = -2;
+        goto done;
+    }
+    for (int64_t i = 0; i < kept; i++) flagged[keep[i] / GROUP] = 1;
+    if (n % GROUP) flagged[groups - 1] = 1;
+    for (int64_t t = 0; t < threads; t++) {
+        claims[t].next = share_start(groups, t, threads);
+        shares[t].groups = noted + t * groups;
+        shares[t].tops = tops + t * groups;
+    }
+    int64_t count = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        quantize_rows(x_in, k, 1, k, x, (block_layout){1, code_offset(Q8_0), 0}); /* as the full pass's */
+#pragma omp single
+        for (int64_t b = 0; b < nb; b++) {
+            int32_t total = 0;
+            for (int e = 0; e < 32; e++) total += x[b].q[e] < 0 ? -x[b].q[e] : x[b].q[e];
+            spread[b] = 1.5f * x[b].d * (float)total;
+        }
+        int64_t thread = omp_get_thread_num();
+        greedy_share *mine = &shares[thread];
+        fvec lowest = fv_set1(-INFINITY), magnitude = fv_zero();
+        float floor = -INFINITY;
+        for (int64_t v = 0; v < threads; v++) {
+            int64_t owner = (thread + v) % threads, end = share_start(groups, owner + 1, threads), claim;
+            while ((claim = __atomic_fetch_add(&claims[owner].next, CLAIM_GROUPS, __ATOMIC_RELAXED)) < end) {
+                int64_t stop = claim + CLAIM_GROUPS < end ? claim + CLAIM_GROUPS : end;
+                for (int64_t g = claim; g < stop; g++) {
+                    fvec value, width;
+                    high6_group(high6 + g * high6_bytes, x, spread, nb, &value, &width);
+                    width = fv_mul(width, fv_set1(widen));
+                    fvec upper = fv_add(value, width), lower = fv_sub(value, width);
+                    magnitude = fv_add(magnitude, fv_add(fv_abs(value), width));
+                    if (flagged[g]) { /* kept columns and those past N set no floor */
+                        float lanes[GROUP];
+                        fv_store(lanes, lower);
+                        int64_t i = 0, hi = kept; /* the first kept column in or past the group */
+                        while (i < hi) {
+                            int64_t mid = (i + hi) / 2;
+                            if (keep[mid] < GROUP * g) i = mid + 1; else hi = mid;
+                        }
+                        for (int64_t l = 0; l < GROUP; l++) {
+                            int64_t col = GROUP * g + l;
+                            if (col >= n || (i < kept && keep[i] == col)) lanes[l] = -INFINITY;
+                            if (i < kept && keep[i] == col) i++;
+                        }
+                        lower = fv_load(lanes);
+                    }
+                    lowest = fv_max(lowest, lower);
+                    if (fv_any_ge(upper, fv_set1(floor))) {
+                        mine->groups[mine->noted] = g;
+                        mine->tops[mine->noted++] = fv_reduce_max(upper);
+                    }
+                }
+                floor = fv_reduce_max(lowest); /* once a claim: the groups after it are noted against it */
+            }
+        }
+        mine->floor = fv_reduce_max(lowest);
+        mine->magnitude = fv_reduce_add(magnitude);
+#pragma omp barrier
+#pragma omp single
+        {
+            float top = -INFINITY, sum = 0.0f;
+            for (int64_t t = 0; t < threads; t++) {
+                top = shares[t].floor > top ? shares[t].floor : top;
+                sum += shares[t].magnitude;
+            }
+            /* every value and the full pass's sum of them finite: |logit| <= |A| + E, summed well below FLT_MAX */
+            if (!(isfinite(top) && sum < 1e37f)) status = 1;
+            uint8_t *take = flagged; /* reused: 1 for a kept group, 2 once chosen */
+            for (int64_t t = 0; t < threads && !status; t++)
+                for (int64_t i = 0; i < shares[t].noted; i++)
+                    if (shares[t].tops[i] >= top) take[shares[t].groups[i]] |= 2;
+            for (int64_t i = 0; i < kept; i++) take[keep[i] / GROUP] |= 2;
+            for (int64_t g = 0; g < groups && !status; g++)
+                if (take[g] & 2) chosen[count++] = g;
+            if (count > groups / GREEDY_MOST_GROUPS) status = 1;
+        }
+        if (status == 0) {
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < n; i++) out[i] = -INFINITY;
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t i = 0; i < count; i++) {
+                int64_t g = chosen[i], cols = n - GROUP * g < GROUP ? n - GROUP * g : GROUP;
+                fvec res;
+                any_packed_group(Q8_0, w + g * q8_bytes, x, nb, 1, 1, &res);
+                float lanes[GROUP];
+                fv_store(lanes, res);
+                memcpy(out + GROUP * g, lanes, (size_t)cols * sizeof *out);
+            }
+        }
+    }
+    if (status == 0) {
+        float best = -INFINITY;
+        int64_t at = -1;
+        for (int64_t i = 0; i < count; i++) /* in column order: the first of equal largest values */
+            for (int64_t col = GROUP * chosen[i]; col < n && col < GROUP * (chosen[i] + 1); col++)
+                if (at < 0 || out[col] > best) best = out[col], at = col;
+        *argmax = at;
+    }
+done:
+    free(x);
+    free(spread);
+    free(flagged);
+    free(chosen);
+    free(shares);
+    free(claims);
+    free(noted);
+    free(tops);
+    return status;
+}
+
 #else /* neither AVX-512 VNNI nor AVX2 (with F16C), or no OpenMP: linear.py keeps the torch path */
 int gguf_matmul_available(void) { return 0; }
 int gguf_amx(int enable) {
@@ -1242,6 +1474,11 @@ int gguf_matmul_logits(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k
                        int64_t n, float *out, int64_t ldo, int64_t *argmax, int32_t *finite, int threads) {
     (void)x, (void)x_stride, (void)m, (void)k, (void)type, (void)w, (void)n, (void)out, (void)ldo, (void)argmax;
     (void)finite, (void)threads;
+    return -1;
+}
+int gguf_greedy_row(const uint16_t *x, int64_t k, const uint8_t *high6, const uint8_t *w, int64_t n,
+                    const int64_t *keep, int64_t kept, float *out, int64_t *argmax, int threads) {
+    (void)x, (void)k, (void)high6, (void)w, (void)n, (void)keep, (void)kept, (void)out, (void)argmax, (void)threads;
     return -1;
 }
 #endif

@@ -23,6 +23,8 @@
 /* gguf_matmul's output columns per regrouped group: a tensor's parts regrouped one after another join up only where
  * each but the last fills whole groups */
 #define GGUF_GROUP 16
+/* gguf_repack's own layout of a Q8_0 tensor's codes less their two low bits, for gguf_greedy_row (not a ggml type) */
+#define GGUF_Q8_0_HIGH6 100
 
 /* fused.c: the norms and q/k norm + rotary, row by row (always compiled in) */
 void rms_norm(const uint16_t *x, int64_t stride, const float *factor, uint16_t *out, int64_t rows, int64_t dim,
@@ -54,6 +56,10 @@ int gguf_matmul_gated(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
                       int64_t f, uint16_t *out, int64_t ldo, int gelu, int threads);
 int gguf_matmul_logits(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, int type, const uint8_t *w,
                        int64_t n, float *out, int64_t ldo, int64_t *argmax, int32_t *finite, int threads);
+/* A single greedy row's LM head from its HIGH6 copy, exactly: the argmax and the exact values of the groups that can
+ * hold it (and of `keep`), -inf elsewhere; 1 where it cannot answer and gguf_matmul_logits must (gguf_matmul.c) */
+int gguf_greedy_row(const uint16_t *x, int64_t k, const uint8_t *high6, const uint8_t *w, int64_t n,
+                    const int64_t *keep, int64_t kept, float *out, int64_t *argmax, int threads);
 /* Whether gguf_matmul multiplies on AMX tiles (compiled in, granted by the OS, and wanted); enable 0 or 1 sets the
  * wanting (the tests compare both paths), -1 only asks */
 int gguf_amx(int enable);

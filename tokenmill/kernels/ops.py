@@ -43,6 +43,9 @@ INT8_MATMUL_TILE = _LIMITS["INT8_MATMUL_TILE"]  # int8_matmul's output columns p
 INT8_MATMUL_K_MULTIPLE = _LIMITS["INT8_MATMUL_K_MULTIPLE"]  # its input width must be a multiple of this
 GGUF_XBLOCK_BYTES = _LIMITS["GGUF_XBLOCK_BYTES"]  # gguf_matmul's quantised activations: bytes per 32 inputs
 GGUF_GROUP = _LIMITS["GGUF_GROUP"]  # gguf_matmul's output columns per regrouped group
+GGUF_Q8_0_HIGH6 = _LIMITS[
+    "GGUF_Q8_0_HIGH6"
+]  # gguf_repack's layout of a Q8_0 head's codes less two bits (gguf_greedy_row)
 STACK_KINDS = _LIMITS["STACK_KINDS"]  # the (rope, key lists) pairs one decoder_stack call tells its layers apart by
 GGUF_LINEAR_MAX_PARTS = _LIMITS["GGUF_LINEAR_MAX_PARTS"]  # a projection's parts in decoder_layer.c's plan
 
@@ -429,6 +432,40 @@ def gguf_matmul_logits(
             f"gguf_matmul_logits: ggml type {ggml_type} with rows of {k} is not a layout this kernel takes"
         )
     return out, argmax.tolist(), [bool(f) for f in finite.tolist()]
+
+
+def gguf_greedy_row(
+    x: torch.Tensor, high6: torch.Tensor, packed: torch.Tensor, n: int, keep: Sequence[int]
+) -> tuple[torch.Tensor, int] | None:
+    """One greedy row's LM head, exactly, from its Q8_0 head's GGUF_Q8_0_HIGH6 copy (gguf_repack) and the head itself:
+    x (1, K) bf16 → (1, N) float32 logits that are gguf_matmul_logits's where they can hold the row's largest value
+    or are `keep`'s (sorted, distinct ids), -inf elsewhere, and the row's argmax (gguf_matmul_logits's). None where
+    the kernel cannot answer for this row (a value not finite, or too many columns near the top): the caller takes
+    the full pass."""
+    if x.shape[0] != 1 or x.stride(-1) != 1:
+        raise ValueError("gguf_greedy_row: x must be one contiguous row")
+    out = torch.empty(1, n, dtype=torch.float32)
+    argmax = torch.empty(1, dtype=torch.int64)
+    ids = torch.tensor(keep, dtype=torch.int64)
+    status = _lib().gguf_greedy_row(
+        x.data_ptr(),
+        x.shape[1],
+        high6.data_ptr(),
+        packed.data_ptr(),
+        n,
+        ids.data_ptr(),
+        len(keep),
+        out.data_ptr(),
+        argmax.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if status == 1:
+        return None
+    if status == -2:
+        raise MemoryError("gguf_greedy_row: no memory for its scratch")
+    if status:
+        raise ValueError(f"gguf_greedy_row: rows of {x.shape[1]} or keep {list(keep)[:8]} not taken")
+    return out, int(argmax.item())
 
 
 class GgufPart(ctypes.Structure):

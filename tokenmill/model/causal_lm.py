@@ -94,11 +94,18 @@ class CausalLM(nn.Module):
         cap = self.config.final_logit_softcapping
         return logits if not cap else logits.div_(cap).tanh_().mul_(cap)
 
-    def compute_logits_summarised(self, hidden: torch.Tensor) -> tuple[torch.Tensor, HeadSummary | None]:
+    def compute_logits_summarised(
+        self, hidden: torch.Tensor, keep: list[int] | None = None
+    ) -> tuple[torch.Tensor, HeadSummary | None]:
         """compute_logits, and where the head is a GGUF kernel's one call with nothing after it (no soft cap), each
         row's argmax and finiteness from the head's own pass (GgufLinear.logits): the sampler need not read the
-        logits again for them."""
+        logits again for them. `keep`: the one row is greedy and needs only its argmax and these ids' logits, which
+        a Q8_0 head with its 6-bit copy gives exactly without reading all of itself (GgufLinear.greedy_row); the
+        other logits are then -inf."""
         if isinstance(self.lm_head, GgufLinear) and not self.config.final_logit_softcapping:
+            pruned = self.lm_head.greedy_row(hidden, keep) if keep is not None else None
+            if pruned is not None:
+                return pruned[0], HeadSummary([pruned[1]], [True])
             found = self.lm_head.logits(hidden)
             if found is not None:
                 logits, argmax, finite = found

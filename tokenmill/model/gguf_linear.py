@@ -62,9 +62,12 @@ class GgufLinear(nn.Module):
     """y = x @ W.T for W made of GGUF parts stacked by rows (e.g. q, k, v), all of the same input width.
 
     `regrouping`: where the kernel's layout is asked for, to be written when its owner runs it; without one it is
-    written before this returns."""
+    written before this returns. `greedy_copy`: an LM head of one Q8_0 part also keeps its codes less their two low
+    bits (ops.GGUF_Q8_0_HIGH6, 76% of its bytes), from which a lone greedy row's step reads the head (greedy_row)."""
 
-    def __init__(self, parts: list[GgufWeight], regrouping: Regrouping | None = None) -> None:
+    def __init__(
+        self, parts: list[GgufWeight], regrouping: Regrouping | None = None, greedy_copy: bool = False
+    ) -> None:
         super().__init__()
         self.k = parts[0].k
         if any(p.k != self.k for p in parts):
@@ -89,6 +92,11 @@ class GgufLinear(nn.Module):
                 regrouping.add(part, out, at)
                 at += ops.gguf_packed_bytes(part.ggml_type, part.rows, part.k)
             self.register_buffer(f"part{i}", out)
+        self.high6: torch.Tensor | None = None
+        self._greedy_rest = 0  # calls left before greedy_row tries the copy again
+        if greedy_copy and len(parts) == 1 and parts[0].ggml_type == gguf_quant.Q8_0:
+            self.high6 = ops.gguf_packed_empty(ops.GGUF_Q8_0_HIGH6, self.out_features, self.k)
+            regrouping.add(GgufWeight(ops.GGUF_Q8_0_HIGH6, parts[0].raw, self.k, parts[0].file_backed), self.high6, 0)
         if own:
             regrouping.run()
 
@@ -129,8 +137,26 @@ class GgufLinear(nn.Module):
         name, t, n, _ = self._calls[0]
         return ops.gguf_matmul_logits(_kernel_rows(x.reshape(-1, self.k)), t, self.get_buffer(name), n)
 
+    def greedy_row(self, x: torch.Tensor, keep: list[int]) -> tuple[torch.Tensor, int] | None:
+        """One row's logits for greedy decoding from the head's 6-bit copy (ops.gguf_greedy_row): exact where they
+        can hold the row's largest value and at `keep` (sorted ids), -inf elsewhere, and the row's argmax; None
+        without the copy or where the kernel cannot answer (the caller takes `logits`). A row it could not answer
+        cost the copy's pass on top of the full one, and the next rows of a stretch of text that flat likely would
+        too: after one, the next GREEDY_REST calls go straight to the full pass."""
+        if self.high6 is None or x.shape[0] != 1:
+            return None
+        if self._greedy_rest:
+            self._greedy_rest -= 1
+            return None
+        name, _, n, _ = self._calls[0]
+        found = ops.gguf_greedy_row(_kernel_rows(x.reshape(-1, self.k)), self.high6, self.get_buffer(name), n, keep)
+        if found is None:
+            self._greedy_rest = GREEDY_REST
+        return found
+
 
 _KERNEL_OUT = (torch.bfloat16, torch.float32)
+GREEDY_REST = 16  # lone greedy rows sent straight to the full pass after one the head's copy could not answer
 
 
 def _kernel_rows(rows: torch.Tensor) -> torch.Tensor:
@@ -172,13 +198,15 @@ def adopt_gguf(
     quantized: dict[str, GgufWeight],
     stacked: dict[str, tuple[str, ...]],
     dtype: torch.dtype,
+    greedy_head: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Give a freshly built (meta) model GgufLinear / GgufEmbedding modules for the weights kept as GGUF blocks.
 
     `quantized` maps Hugging Face weight names to the file's blocks. Stacked projections (q/k/v, gate/up) become one
     GgufLinear of several parts; a tied head reads the embedding's blocks. Returns the new modules' state dict
     entries (a strict load then sees every key), and as float tensors the quantised weights left without such a
-    module (a stacked part whose siblings are floats joins them as a float, before stacking).
+    module (a stacked part whose siblings are floats joins them as a float, before stacking). `greedy_head`: a Q8_0
+    head also gets its 6-bit copy for lone greedy rows (GgufLinear's greedy_copy).
     """
     left = dict(quantized)
     entries: dict[str, torch.Tensor] = {}
@@ -197,12 +225,12 @@ def adopt_gguf(
                 place(f"{prefix}{fused}", GgufLinear([left.pop(n) for n in names], regrouping))
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear) and f"{name}.weight" in left:
-            place(name, GgufLinear([left.pop(f"{name}.weight")], regrouping))
+            place(name, GgufLinear([left.pop(f"{name}.weight")], regrouping, greedy_head and name == "lm_head"))
     embed = left.pop("model.embed_tokens.weight", None)
     if embed is not None:
         place("model.embed_tokens", GgufEmbedding(embed, dtype))
         if getattr(model, "lm_head", None) is None:  # tied: the head multiplies with the same blocks
-            place("lm_head", GgufLinear([embed], regrouping))
+            place("lm_head", GgufLinear([embed], regrouping, greedy_head))
     regrouping.run()
     floats = {name: gguf_quant.dequantize(w.raw, w.ggml_type, w.k).to(dtype) for name, w in left.items()}
     return entries, floats

@@ -32,11 +32,13 @@ def build_model(
     state_dict: dict[str, torch.Tensor],
     prepared: bool = False,
     quantized: dict[str, GgufWeight] | None = None,
+    greedy_head: bool = False,
 ) -> CausalLM:
     """Builds on the meta device (no random init of 268 M parameters) and adopts the loaded tensors as they are.
 
     `prepared`: the state dict was saved from a prepared model (quantised linears), whose module kinds it restores.
     `quantized`: weights kept as a GGUF file's blocks, which get GgufLinear / GgufEmbedding modules.
+    `greedy_head`: a Q8_0 head of those also keeps a 6-bit copy for lone greedy rows (adopt_gguf).
     """
     model = model_skeleton(cfg)
     cls = type(model)
@@ -45,7 +47,7 @@ def build_model(
     entries: dict[str, torch.Tensor] = {}
     if quantized:
         dtype = state_dict["model.norm.weight"].dtype
-        entries, floats = adopt_gguf(model, quantized, cls.STACKED_PROJECTIONS, dtype)
+        entries, floats = adopt_gguf(model, quantized, cls.STACKED_PROJECTIONS, dtype, greedy_head)
         state_dict = {**state_dict, **floats}
     stacked = biases_beside_linears(stack_projections(state_dict, cls.STACKED_PROJECTIONS))
     model.load_state_dict({**stacked, **entries}, assign=True, strict=True)
