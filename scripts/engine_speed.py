@@ -3,6 +3,7 @@
 python scripts/engine_speed.py --dtype bfloat16 --batch 1 16 --tokens 64
 python scripts/engine_speed.py --batch 16 --bench-prompts --busy 0.3 1.5   # beside a process busy 0.3 ms in 1.8
 python scripts/engine_speed.py --batch 1 --context 2000    # decoding after a 2,000-token prompt
+python scripts/engine_speed.py --batch 1 --no-greedy-head   # a lone greedy row's head read whole, not from its copy
 
 Besides the aggregate it prints where a step goes, as medians over the decode steps: the model's layers (the
 runner's forward), the LM head (the runner's logits_summarised: a GGUF head's pass finds each row's argmax and
