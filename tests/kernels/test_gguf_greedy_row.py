@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -176,3 +180,37 @@ def test_the_avx2_build_gives_the_same_answer_and_bits(tmp_path: Path) -> None:
             x[i].data_ptr(), k, h6.data_ptr(), q8.data_ptr(), N, keep.data_ptr(), 3, out.data_ptr(), at.data_ptr(), 2
         )
         assert status == 0 and int(at) == got[1] and torch.equal(out, got[0])
+
+
+def test_a_team_smaller_than_asked_for_answers_the_same() -> None:
+    """OpenMP may give the call fewer threads than it asks for (OMP_THREAD_LIMIT, nesting): the shares no thread took
+    set no floor. Every logit negative here, so a floor of 0 left unset would leave every column out."""
+    script = textwrap.dedent(
+        """
+        import torch
+        from gguf import GGMLQuantizationType as T
+        from tests.kernels.test_gguf_greedy_row import Q8_0, HIGH6, N, full, head, peaked_rows
+        from tokenmill.kernels import ops
+        torch.set_num_threads(2)
+        raw, k, q8, h6 = head()
+        x = -peaked_rows(raw, k, [[77]]).abs()
+        codes = raw.view(N, k // 32, 34)[..., 2:].view(torch.int8)
+        codes.copy_(codes.abs().clamp(min=40, max=127))  # every code positive against every input negative
+        codes[77] = 8  # the least negative logit by far, and still below 0 by more than its bound
+        q8, h6 = ops.gguf_repack(raw, Q8_0, k), ops.gguf_repack(raw, HIGH6, k)
+        logits, best = full(x, q8, N)
+        assert (logits < 0).all()
+        got = ops.gguf_greedy_row(x, h6, q8, N, [])
+        assert got is not None and got[1] == best, (got and got[1], best)
+        print("ok")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "OMP_THREAD_LIMIT": "1"},
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.stdout.strip().endswith("ok"), done.stderr[-2000:]

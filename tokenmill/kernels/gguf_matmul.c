@@ -1334,6 +1334,7 @@ int gguf_greedy_row(const uint16_t *x_in, int64_t k, const uint8_t *high6, const
     if (n % GROUP) flagged[groups - 1] = 1;
     for (int64_t t = 0; t < threads; t++) {
         claims[t].next = share_start(groups, t, threads);
+        shares[t].floor = -INFINITY; /* a team smaller than asked for leaves some shares unset */
         shares[t].groups = noted + t * groups;
         shares[t].tops = tops + t * groups;
     }
@@ -1404,7 +1405,7 @@ int gguf_greedy_row(const uint16_t *x_in, int64_t k, const uint8_t *high6, const
             for (int64_t i = 0; i < kept; i++) take[keep[i] / GROUP] |= 2;
             for (int64_t g = 0; g < groups && !status; g++)
                 if (take[g] & 2) chosen[count++] = g;
-            if (count > groups / GREEDY_MOST_GROUPS) status = 1;
+            if (count == 0 || count > groups / GREEDY_MOST_GROUPS) status = 1;
         }
         if (status == 0) {
 #pragma omp for schedule(static)
