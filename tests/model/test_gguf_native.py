@@ -160,7 +160,9 @@ def test_a_head_without_the_kernels_pass_reports_nothing(tmp_path: Path, monkeyp
     fallback = native_model(path, tmp_path / "cache")
     with torch.inference_mode():
         logits, summary = fallback.compute_logits_summarised(hidden[:, : fallback.config.hidden_size])
+        lone, lone_summary = fallback.compute_logits_summarised(hidden[:1, : fallback.config.hidden_size], keep=[])
     assert summary is None and logits.shape == (2, fallback.config.vocab_size)
+    assert lone_summary is None and torch.equal(lone, logits[:1])  # a lone greedy row: no copy here, the full row
 
 
 @pytest.mark.skipif(not ops.gguf_matmul_available(), reason="the GGUF kernel is not built here")

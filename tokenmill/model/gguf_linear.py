@@ -79,6 +79,8 @@ class GgufLinear(nn.Module):
         self.out_features = sum(self.rows)
         starts = [sum(self.rows[:i]) for i in range(len(runs))]  # each part's first output column
         self._calls = [(f"part{i}", t, n, at) for i, (t, n, at) in enumerate(zip(self.types, self.rows, starts))]
+        self.high6: torch.Tensor | None = None  # the 6-bit copy (greedy_copy), where the kernel computes
+        self._greedy_rest = 0  # calls left before greedy_row tries the copy again
         if not self.kernel:  # the torch path computes with the file's blocks
             for i, part in enumerate(parts):
                 self.register_buffer(f"part{i}", part.raw)
@@ -92,8 +94,6 @@ class GgufLinear(nn.Module):
                 regrouping.add(part, out, at)
                 at += ops.gguf_packed_bytes(part.ggml_type, part.rows, part.k)
             self.register_buffer(f"part{i}", out)
-        self.high6: torch.Tensor | None = None
-        self._greedy_rest = 0  # calls left before greedy_row tries the copy again
         if greedy_copy and len(parts) == 1 and parts[0].ggml_type == gguf_quant.Q8_0:
             self.high6 = ops.gguf_packed_empty(ops.GGUF_Q8_0_HIGH6, self.out_features, self.k)
             regrouping.add(GgufWeight(ops.GGUF_Q8_0_HIGH6, parts[0].raw, self.k, parts[0].file_backed), self.high6, 0)
