@@ -207,6 +207,8 @@ static int64_t row_bytes_of(int type, int64_t k) {
  *   Q5_0 / Q5_K: then 64 bytes, bit g of byte i the fifth bit (16) of vector g's byte i;
  *   Q6_K: then 2 x 64 bytes, byte i of plane h holding bits 4 and 5 of vectors 4h..4h+3 (2 bits each, in order);
  *   Q8_0: 8 x 64 bytes, the signed codes.
+ * HIGH6 (ours, gguf_greedy_row's copy of a Q8_0 tensor): per block 16 fp16 d, then the codes floor(q / 4) + 32 laid
+ * out as Q6_K's (the 4-bit part, then the two 2-bit planes).
  * Column for column this is as many bytes as the file (the K-quants' 6-bit scales, 12 bytes per 256 weights,
  * become 16 bytes). Columns past N are zeros. Every (column, row) pair sees the same float operations in the same
  * order on every path, for any number of rows: the same bits, and batch invariance. */
@@ -231,6 +233,23 @@ typedef struct {
 
 /* Where thread t's even share of `groups` starts (share t ends where share t + 1 starts) */
 static inline int64_t share_start(int64_t groups, int64_t t, int64_t threads) { return groups * t / threads; }
+
+/* A thread's next claim of `groups` shared out by `claims`: its own share first, then what is left of the others' (a
+ * team smaller than asked for leaves whole shares). *v: the share it is taking from (0 to start); the claim is
+ * [*first, *stop), and 0 is returned once every share is taken. */
+static inline int next_claim(group_claims *claims, int64_t groups, int64_t threads, int64_t thread, int64_t *v,
+                             int64_t *first, int64_t *stop) {
+    for (; *v < threads; ++*v) {
+        int64_t owner = (thread + *v) % threads, end = share_start(groups, owner + 1, threads);
+        int64_t claim = __atomic_fetch_add(&claims[owner].next, CLAIM_GROUPS, __ATOMIC_RELAXED);
+        if (claim < end) {
+            *first = claim;
+            *stop = claim + CLAIM_GROUPS < end ? claim + CLAIM_GROUPS : end;
+            return 1;
+        }
+    }
+    return 0;
+}
 
 static inline int is_k(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
 
@@ -1195,16 +1214,11 @@ static int matmul(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, 
 #endif
     uint16_t *pair = pairs ? pairs + thread * m * 2 * GROUP : NULL;
     row_best *rows_best = bests ? bests + thread * m : NULL;
-    /* its own share first, then what is left of the others' (a team smaller than asked for leaves whole shares) */
-    for (int64_t v = 0; v < threads; v++) {
-        int64_t owner = (thread + v) % threads, end = share_start(units, owner + 1, threads), claim;
-        while ((claim = __atomic_fetch_add(&claims[owner].next, CLAIM_GROUPS, __ATOMIC_RELAXED)) < end) {
-            int64_t stop = claim + CLAIM_GROUPS < end ? claim + CLAIM_GROUPS : end;
-            for (int64_t u = claim; u < stop; u++)
-                unit_product(type, w, group_bytes, x, nb, m, n, u, out, ldo, float_out, gated, pair, decoded, amx);
-            for (int64_t r = 0; rows_best && r < m; r++) /* the claim's logits, still in L1 */
-                row_best_scan(rows_best + r, (const float *)out + r * ldo, n, claim, stop);
-        }
+    for (int64_t v = 0, claim, stop; next_claim(claims, units, threads, thread, &v, &claim, &stop);) {
+        for (int64_t u = claim; u < stop; u++)
+            unit_product(type, w, group_bytes, x, nb, m, n, u, out, ldo, float_out, gated, pair, decoded, amx);
+        for (int64_t r = 0; rows_best && r < m; r++) /* the claim's logits, still in L1 */
+            row_best_scan(rows_best + r, (const float *)out + r * ldo, n, claim, stop);
     }
 #if defined(WITH_AMX)
     if (amx) _tile_release();
@@ -1352,39 +1366,35 @@ int gguf_greedy_row(const uint16_t *x_in, int64_t k, const uint8_t *high6, const
         greedy_share *mine = &shares[thread];
         fvec lowest = fv_set1(-INFINITY), magnitude = fv_zero();
         float floor = -INFINITY;
-        for (int64_t v = 0; v < threads; v++) {
-            int64_t owner = (thread + v) % threads, end = share_start(groups, owner + 1, threads), claim;
-            while ((claim = __atomic_fetch_add(&claims[owner].next, CLAIM_GROUPS, __ATOMIC_RELAXED)) < end) {
-                int64_t stop = claim + CLAIM_GROUPS < end ? claim + CLAIM_GROUPS : end;
-                for (int64_t g = claim; g < stop; g++) {
-                    fvec value, width;
-                    high6_group(high6 + g * high6_bytes, x, spread, nb, &value, &width);
-                    width = fv_mul(width, fv_set1(widen));
-                    fvec upper = fv_add(value, width), lower = fv_sub(value, width);
-                    magnitude = fv_add(magnitude, fv_add(fv_abs(value), width));
-                    if (flagged[g]) { /* kept columns and those past N set no floor */
-                        float lanes[GROUP];
-                        fv_store(lanes, lower);
-                        int64_t i = 0, hi = kept; /* the first kept column in or past the group */
-                        while (i < hi) {
-                            int64_t mid = (i + hi) / 2;
-                            if (keep[mid] < GROUP * g) i = mid + 1; else hi = mid;
-                        }
-                        for (int64_t l = 0; l < GROUP; l++) {
-                            int64_t col = GROUP * g + l;
-                            if (col >= n || (i < kept && keep[i] == col)) lanes[l] = -INFINITY;
-                            if (i < kept && keep[i] == col) i++;
-                        }
-                        lower = fv_load(lanes);
+        for (int64_t v = 0, claim, stop; next_claim(claims, groups, threads, thread, &v, &claim, &stop);) {
+            for (int64_t g = claim; g < stop; g++) {
+                fvec value, width;
+                high6_group(high6 + g * high6_bytes, x, spread, nb, &value, &width);
+                width = fv_mul(width, fv_set1(widen));
+                fvec upper = fv_add(value, width), lower = fv_sub(value, width);
+                magnitude = fv_add(magnitude, fv_add(fv_abs(value), width));
+                if (flagged[g]) { /* kept columns and those past N set no floor */
+                    float lanes[GROUP];
+                    fv_store(lanes, lower);
+                    int64_t i = 0, hi = kept; /* the first kept column in or past the group */
+                    while (i < hi) {
+                        int64_t mid = (i + hi) / 2;
+                        if (keep[mid] < GROUP * g) i = mid + 1; else hi = mid;
                     }
-                    lowest = fv_max(lowest, lower);
-                    if (fv_any_ge(upper, fv_set1(floor))) {
-                        mine->groups[mine->noted] = g;
-                        mine->tops[mine->noted++] = fv_reduce_max(upper);
+                    for (int64_t l = 0; l < GROUP; l++) {
+                        int64_t col = GROUP * g + l, kept_here = i < kept && keep[i] == col;
+                        if (col >= n || kept_here) lanes[l] = -INFINITY;
+                        i += kept_here;
                     }
+                    lower = fv_load(lanes);
                 }
-                floor = fv_reduce_max(lowest); /* once a claim: the groups after it are noted against it */
+                lowest = fv_max(lowest, lower);
+                if (fv_any_ge(upper, fv_set1(floor))) {
+                    mine->groups[mine->noted] = g;
+                    mine->tops[mine->noted++] = fv_reduce_max(upper);
+                }
             }
+            floor = fv_reduce_max(lowest); /* once a claim: the groups after it are noted against it */
         }
         mine->floor = fv_reduce_max(lowest);
         mine->magnitude = fv_reduce_add(magnitude);
