@@ -43,9 +43,7 @@ INT8_MATMUL_TILE = _LIMITS["INT8_MATMUL_TILE"]  # int8_matmul's output columns p
 INT8_MATMUL_K_MULTIPLE = _LIMITS["INT8_MATMUL_K_MULTIPLE"]  # its input width must be a multiple of this
 GGUF_XBLOCK_BYTES = _LIMITS["GGUF_XBLOCK_BYTES"]  # gguf_matmul's quantised activations: bytes per 32 inputs
 GGUF_GROUP = _LIMITS["GGUF_GROUP"]  # gguf_matmul's output columns per regrouped group
-GGUF_Q8_0_HIGH6 = _LIMITS[
-    "GGUF_Q8_0_HIGH6"
-]  # gguf_repack's layout of a Q8_0 head's codes less two bits (gguf_greedy_row)
+GGUF_Q8_0_HIGH6 = _LIMITS["GGUF_Q8_0_HIGH6"]  # a Q8_0 head's codes less two bits (gguf_greedy_row's copy)
 STACK_KINDS = _LIMITS["STACK_KINDS"]  # the (rope, key lists) pairs one decoder_stack call tells its layers apart by
 GGUF_LINEAR_MAX_PARTS = _LIMITS["GGUF_LINEAR_MAX_PARTS"]  # a projection's parts in decoder_layer.c's plan
 
