@@ -84,11 +84,18 @@ async def _overload(server: Server, model: str) -> tuple[list[int], list[int]]:
 async def _sigterm_during_requests(
     client: httpx.AsyncClient, server: Server, model: str
 ) -> list[asyncio.Task[httpx.Response]]:
-    """Four long requests (the first streamed) sent, once one runs SIGTERM: returns the requests' tasks."""
+    """Four long requests (the first streamed) sent, once one runs and the engine holds all four SIGTERM: returns the
+    requests' tasks. (Waiting for the first to run alone raced the other three's admission: a request the server
+    had not yet taken when the signal came was refused, 503, as it should be, and the test saw it fail.)"""
     in_flight = [
         asyncio.create_task(client.post("/v1/completions", json=long_request(model, stream=i == 0))) for i in range(4)
     ]
-    await _until(client, "/stats", lambda r: r.json()["num_running"] > 0)
+
+    def all_held(r: httpx.Response) -> bool:
+        stats = r.json()
+        return stats["num_running"] > 0 and stats["num_running"] + stats["num_waiting"] == 4
+
+    await _until(client, "/stats", all_held)
     server.process.send_signal(signal.SIGTERM)
     return in_flight
 
