@@ -1,0 +1,72 @@
+"""scripts/served_level.py's pure parts: the step totals read from a tokenmill server's /metrics, and the threads'
+CPU times read from /proc. No servers."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from tokenmill.api.metrics import Metrics
+from tokenmill.engine.outputs import StepReport
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "served_level.py"
+
+
+def _load_script() -> ModuleType:
+    """scripts/ is not a package: load the file as a module."""
+    spec = importlib.util.spec_from_file_location("served_level", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+sl = _load_script()
+
+
+def test_step_totals_add_up_every_models_steps_from_the_servers_own_exposition() -> None:
+    metrics = Metrics({})
+    for model, durations in {"a": [0.02, 0.03], "b": [0.5]}.items():
+        observe = metrics.step_observer(model)
+        for d in durations:
+            observe(StepReport(duration_s=d, num_seqs=16, num_tokens=16))
+    for accept in (None, "application/openmetrics-text"):  # both encodings a scrape may get
+        body, _ = metrics.exposition(accept)
+        steps, seconds = sl.step_totals(body.decode())
+        assert steps == 3
+        assert seconds == pytest.approx(0.55)
+
+
+def test_step_totals_of_a_server_without_steps_are_zero() -> None:
+    body, _ = Metrics({}).exposition(None)
+    assert sl.step_totals(body.decode()) == (0.0, 0.0)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux's /proc tells each thread's times")
+def test_thread_times_see_a_busy_thread_of_this_process() -> None:
+    done = threading.Event()
+    tid: list[int] = []
+
+    def spin() -> None:
+        tid.append(threading.get_native_id())
+        end = time.perf_counter() + 0.2
+        while time.perf_counter() < end:
+            pass
+        done.wait(5)
+
+    worker = threading.Thread(target=spin)
+    worker.start()
+    time.sleep(0.3)
+    times = sl.thread_times(os.getpid())
+    done.set()
+    worker.join()
+    on_cpu, waiting = times[tid[0]]
+    assert 0.1 <= on_cpu < 5 and waiting >= 0
