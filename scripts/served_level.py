@@ -18,17 +18,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import re
 import resource
-import time
 from pathlib import Path
-
-import httpx
 
 from tokenmill.bench import load
 from tokenmill.bench.loopback import require_loopback
-from tokenmill.bench.stats import RequestResult, summarize_level
+from tokenmill.bench.stats import summarize_level
 
 
 def step_totals(metrics: str) -> tuple[float, float]:
@@ -59,24 +55,6 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-async def level(
-    client: httpx.AsyncClient, url: str, model: str, eos: tuple[int, ...], concurrency: int
-) -> tuple[list[tuple[int, RequestResult]], float]:
-    """The level as load.run_level drives it, each result kept with its request's index; and its duration."""
-    settings = load.LoadSettings()
-    total, indices, results = settings.requests_for(concurrency), itertools.count(), []
-    deadline = time.perf_counter() + settings.level_timeout_s
-
-    async def client_loop() -> None:
-        while time.perf_counter() < deadline and (i := next(indices)) < total:
-            body = load.completion_body(model, load.PROMPTS[i % len(load.PROMPTS)], settings.max_tokens, eos)
-            results.append((i, await load.stream_completion(client, url, body, settings.request_timeout_s)))
-
-    start = time.perf_counter()
-    await asyncio.gather(*(client_loop() for _ in range(concurrency)))
-    return results, time.perf_counter() - start
-
-
 async def run(url: str, pid: int | None, concurrency: int, rounds: int, api_key: str | None) -> None:
     settings = load.LoadSettings(api_key=api_key)
     async with load.make_client(settings) as client:
@@ -86,7 +64,7 @@ async def run(url: str, pid: int | None, concurrency: int, rounds: int, api_key:
         for _ in range(rounds):
             steps0, seconds0 = step_totals((await client.get(f"{url}/metrics")).text)
             threads0, cpu0 = thread_times(pid) if pid else {}, cpu_seconds()
-            indexed, elapsed = await level(client, url, model, eos, concurrency)
+            indexed, elapsed = await load.level_requests(client, url, model, settings, eos, concurrency)
             cpu1, threads1 = cpu_seconds(), thread_times(pid) if pid else {}
             steps1, seconds1 = step_totals((await client.get(f"{url}/metrics")).text)
             results = [r for _, r in indexed]

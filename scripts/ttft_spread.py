@@ -12,14 +12,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
-import time
-
-import httpx
 
 from tokenmill.bench import load
 from tokenmill.bench.loopback import require_loopback
-from tokenmill.bench.stats import RequestResult, summarize_level
+from tokenmill.bench.stats import summarize_level
 
 
 async def spread(url: str, concurrency: int, rounds: int) -> None:
@@ -29,36 +25,15 @@ async def spread(url: str, concurrency: int, rounds: int) -> None:
         eos = served_eos or ()
         await load.run_single(client, url, model, settings, eos)
         for _ in range(rounds):
-            start = time.perf_counter()
-            results = await level(client, url, model, eos, settings, concurrency)
-            summary = summarize_level(results, time.perf_counter() - start, concurrency)
+            indexed, elapsed_s = await load.level_requests(client, url, model, settings, eos, concurrency)
+            results = [result for _, result in indexed]
+            summary = summarize_level(results, elapsed_s, concurrency)
             ttfts = sorted(r.ttft_s * 1e3 for r in results if r.ttft_s is not None)
             print(
                 f"{concurrency} clients: {summary['agg_tok_s']:.1f} tok/s,"
                 f" TTFT p50 {summary['ttft_p50_s'] * 1e3:.0f} ms;"
                 f" each (ms): {' '.join(f'{t:.0f}' for t in ttfts)}"
             )
-
-
-async def level(
-    client: httpx.AsyncClient,
-    url: str,
-    model: str,
-    eos: tuple[int, ...],
-    settings: load.LoadSettings,
-    concurrency: int,
-) -> list[RequestResult]:
-    """The level as load.run_level drives it, each request's result kept."""
-    total, indices, results = settings.requests_for(concurrency), itertools.count(), []
-    deadline = time.perf_counter() + settings.level_timeout_s
-
-    async def client_loop() -> None:
-        while time.perf_counter() < deadline and (i := next(indices)) < total:
-            body = load.completion_body(model, load.PROMPTS[i % len(load.PROMPTS)], settings.max_tokens, eos)
-            results.append(await load.stream_completion(client, url, body, settings.request_timeout_s))
-
-    await asyncio.gather(*(client_loop() for _ in range(concurrency)))
-    return results
 
 
 def main() -> None:

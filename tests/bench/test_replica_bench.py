@@ -2,28 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "replica_bench.py"
+from tests.bench.scripts import load_script
 
-
-def _load_script() -> ModuleType:
-    """scripts/ is not a package: load the file as a module (registered, as dataclasses and pickling expect)."""
-    spec = importlib.util.spec_from_file_location("replica_bench", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-rb = _load_script()
+rb = load_script("replica_bench")
 
 
 def _result(label: str, p50: float, tok_s: float, hit: float | None = 0.5) -> dict[str, Any]:

@@ -3,33 +3,18 @@ CPU times read from /proc. No servers."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 import threading
 import time
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from tests.bench.scripts import load_script
 from tokenmill.api.metrics import Metrics
 from tokenmill.engine.outputs import StepReport
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "served_level.py"
-
-
-def _load_script() -> ModuleType:
-    """scripts/ is not a package: load the file as a module."""
-    spec = importlib.util.spec_from_file_location("served_level", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-sl = _load_script()
+sl = load_script("served_level")
 
 
 def test_step_totals_add_up_every_models_steps_from_the_servers_own_exposition() -> None:

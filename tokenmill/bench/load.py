@@ -141,19 +141,33 @@ async def run_level(
     concurrency: int,
 ) -> dict[str, Any]:
     """`concurrency` clients share a fixed number of requests; none starts after the level's deadline."""
+    indexed, elapsed_s = await level_requests(client, base_url, model, settings, eos_ids, concurrency)
+    return summarize_level([result for _, result in indexed], elapsed_s, concurrency)
+
+
+async def level_requests(
+    client: httpx.AsyncClient,
+    base_url: str,
+    model: str,
+    settings: LoadSettings,
+    eos_ids: tuple[int, ...],
+    concurrency: int,
+) -> tuple[list[tuple[int, RequestResult]], float]:
+    """The requests of run_level's level, each result with its request's index (in the order they ended), and the
+    level's duration: for tools that look at each request (scripts/ttft_spread.py, scripts/served_level.py)."""
     total = settings.requests_for(concurrency)
     indices = itertools.count()
-    results: list[RequestResult] = []
+    results: list[tuple[int, RequestResult]] = []
     deadline = time.perf_counter() + settings.level_timeout_s
 
     async def client_loop() -> None:
         while time.perf_counter() < deadline and (i := next(indices)) < total:
             body = completion_body(model, PROMPTS[i % len(PROMPTS)], settings.max_tokens, eos_ids)
-            results.append(await stream_completion(client, base_url, body, settings.request_timeout_s))
+            results.append((i, await stream_completion(client, base_url, body, settings.request_timeout_s)))
 
     start = time.perf_counter()
     await asyncio.gather(*(client_loop() for _ in range(concurrency)))
-    return summarize_level(results, time.perf_counter() - start, concurrency)
+    return results, time.perf_counter() - start
 
 
 async def discover(client: httpx.AsyncClient, base_url: str) -> tuple[str, tuple[int, ...] | None]:
