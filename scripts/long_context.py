@@ -12,10 +12,9 @@ greedy tokens with EOS banned, streamed. It prints the prefill (time to the firs
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
 
-import httpx
+import aiohttp
 
 from tokenmill.bench import load
 from tokenmill.bench.loopback import require_loopback
@@ -24,11 +23,11 @@ PASSAGE = " ".join(load.PROMPTS) + "\n"
 NEW_TOKENS = 64
 
 
-async def prompt_tokens(client: httpx.AsyncClient, url: str, model: str, text: str) -> int:
+async def prompt_tokens(client: aiohttp.ClientSession, url: str, model: str, text: str) -> int:
     body = {"model": model, "prompt": text, "max_tokens": 1, "temperature": 0}
-    response = await client.post(f"{url}/v1/completions", json=body)
-    response.raise_for_status()
-    return int(response.json()["usage"]["prompt_tokens"])
+    async with client.post(f"{url}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        return int((await response.json())["usage"]["prompt_tokens"])
 
 
 async def measure(urls: list[str], targets: list[int], rounds: int) -> None:
@@ -64,7 +63,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[2000, 7000], help="prompt lengths, about")
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    asyncio.run(measure([require_loopback(url) for url in args.url], args.tokens, args.rounds))
+    load.run(measure([require_loopback(url) for url in args.url], args.tokens, args.rounds))
 
 
 if __name__ == "__main__":

@@ -27,9 +27,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import psutil
 
+from tokenmill.bench import load
 from tokenmill.bench.load import LoadSettings, bench_url, discover, make_client
 from tokenmill.bench.report import format_value, write_json
 from tokenmill.bench.servers import ManagedServer, ServerStartError, cpu_cores, free_port, tokenmill_spec
@@ -172,7 +174,7 @@ def _ratio(value: float | None, base: float | None) -> str:
 
 # --- measuring one server ---------------------------------------------------------------------------------------
 async def tiny_latencies(
-    client: httpx.AsyncClient, url: str, model: str, count: int, server_pid: int | None
+    client: aiohttp.ClientSession, url: str, model: str, count: int, server_pid: int | None
 ) -> dict[str, float | None]:
     """Latencies of one-token requests, and the CPU each costs per part of the server (from its process tree)."""
     body = {"model": model, "prompt": TINY_PROMPT, "max_tokens": 1, "temperature": 0}
@@ -186,7 +188,9 @@ async def tiny_latencies(
             cpu_before = cpu_by_part(server_pid)
             timed_from = time.perf_counter()
         start = time.perf_counter()
-        ok = (await client.post(f"{url}/v1/completions", json=body)).status_code == 200
+        async with client.post(f"{url}/v1/completions", json=body) as response:
+            ok = response.status == 200
+            await response.read()
         if ok and i >= WARMUP:
             latencies.append(time.perf_counter() - start)
     used = await cpu_beyond_idle(server_pid, cpu_before, time.perf_counter() - timed_from)
@@ -228,21 +232,24 @@ def cpu_by_part(pid: int | None) -> dict[str, float]:
     return parts
 
 
-async def sized_prefixes(client: httpx.AsyncClient, url: str, groups: int, tokens: int, first: int = 0) -> list[str]:
+async def sized_prefixes(
+    client: aiohttp.ClientSession, url: str, groups: int, tokens: int, first: int = 0
+) -> list[str]:
     """Each group's prefix with its sentence repeated until /tokenize counts at least `tokens` tokens."""
     prefixes = []
     for group in range(first, first + groups):
         for repeats in range(1, MAX_REPEATS + 1):
             text = prefix_text(group, repeats)
-            response = await client.post(f"{url}/tokenize", json={"prompt": text})
-            if response.raise_for_status().json()["count"] >= tokens:
-                break
+            async with client.post(f"{url}/tokenize", json={"prompt": text}) as response:
+                response.raise_for_status()
+                if (await response.json())["count"] >= tokens:
+                    break
         prefixes.append(text)
     return prefixes
 
 
 async def prefix_workload(
-    client: httpx.AsyncClient, url: str, model: str, requests: list[list[str]], clients: int
+    client: aiohttp.ClientSession, url: str, model: str, requests: list[list[str]], clients: int
 ) -> dict[str, Any]:
     """Each request's prompts in one completion (`usage` adds them up), from `clients` concurrent clients."""
     usages: list[dict[str, Any]] = []
@@ -252,11 +259,11 @@ async def prefix_workload(
         nonlocal failed
         while time.perf_counter() < deadline and (item := next(queue, None)) is not None:
             body = {"model": model, "prompt": item, "max_tokens": PREFIX_MAX_TOKENS, "temperature": 0}
-            response = await client.post(f"{url}/v1/completions", json=body)
-            if response.status_code == 200:
-                usages.append(response.json()["usage"])
-            else:
-                failed += 1
+            async with client.post(f"{url}/v1/completions", json=body) as response:
+                if response.status == 200:
+                    usages.append((await response.json())["usage"])
+                else:
+                    failed += 1
 
     start = time.perf_counter()
     await asyncio.gather(*(client_loop() for _ in range(clients)))
@@ -330,8 +337,8 @@ def run_system(key: str, args: argparse.Namespace, log_dir: Path) -> dict[str, A
     try:
         start_s = server.start(START_TIMEOUT_S)
         wait_ok(server.url, START_TIMEOUT_S)
-        return {"label": label, "start_s": start_s, **asyncio.run(measure(server.url, args, server.pid))}
-    except (ServerStartError, httpx.HTTPError) as exc:
+        return {"label": label, "start_s": start_s, **load.run(measure(server.url, args, server.pid))}
+    except (ServerStartError, aiohttp.ClientError) as exc:
         print(f"{label}: failed: {exc}\n{server.log_tail()}", file=sys.stderr)
         return {"label": label, "error": str(exc)}
     finally:

@@ -17,10 +17,11 @@ tokens, EOS banned; a single stream first, as the bench does), then `--rounds` p
 from __future__ import annotations
 
 import argparse
-import asyncio
 import re
 import resource
 from pathlib import Path
+
+import aiohttp
 
 from tokenmill.bench import load
 from tokenmill.bench.loopback import require_loopback
@@ -55,6 +56,12 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+async def metrics_text(client: aiohttp.ClientSession, url: str) -> str:
+    async with client.get(f"{url}/metrics") as response:
+        response.raise_for_status()
+        return await response.text()
+
+
 async def run(url: str, pid: int | None, concurrency: int, rounds: int, api_key: str | None) -> None:
     settings = load.LoadSettings(api_key=api_key)
     async with load.make_client(settings) as client:
@@ -62,11 +69,11 @@ async def run(url: str, pid: int | None, concurrency: int, rounds: int, api_key:
         eos = served_eos or ()
         await load.run_single(client, url, model, settings, eos)
         for _ in range(rounds):
-            steps0, seconds0 = step_totals((await client.get(f"{url}/metrics")).text)
+            steps0, seconds0 = step_totals(await metrics_text(client, url))
             threads0, cpu0 = thread_times(pid) if pid else {}, cpu_seconds()
             indexed, elapsed = await load.level_requests(client, url, model, settings, eos, concurrency)
             cpu1, threads1 = cpu_seconds(), thread_times(pid) if pid else {}
-            steps1, seconds1 = step_totals((await client.get(f"{url}/metrics")).text)
+            steps1, seconds1 = step_totals(await metrics_text(client, url))
             results = [r for _, r in indexed]
             summary = summarize_level(results, elapsed, concurrency)
             tokens = sum(r.completion_tokens for r in results)
@@ -95,7 +102,7 @@ def main() -> None:
     parser.add_argument("--api-key", help="the server's --api-key, where it has one")
     args = parser.parse_args()
     require_loopback(args.url)
-    asyncio.run(run(args.url, args.pid, args.concurrency, args.rounds, args.api_key))
+    load.run(run(args.url, args.pid, args.concurrency, args.rounds, args.api_key))
 
 
 if __name__ == "__main__":

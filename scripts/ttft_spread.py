@@ -11,7 +11,6 @@ the same prompts, 128 tokens, EOS banned), a single stream first as the bench do
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 from tokenmill.bench import load
 from tokenmill.bench.loopback import require_loopback
@@ -43,7 +42,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     require_loopback(args.url)
-    asyncio.run(spread(args.url, args.concurrency, args.rounds))
+    load.run(spread(args.url, args.concurrency, args.rounds))
 
 
 if __name__ == "__main__":

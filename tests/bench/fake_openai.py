@@ -1,18 +1,22 @@
-"""A tiny fake OpenAI-compatible completions server as an httpx transport: one text chunk per token.
+"""A tiny fake OpenAI-compatible completions server on 127.0.0.1: one text chunk per token.
 
 Like tokenmill by default (usage in the stream, /tokenizer_info); `peer_like=True` behaves like llama-cpp-python's
 server instead (no usage, no /tokenizer_info). A request that does not ban EOS_ID stops early with "stop".
+`with FakeOpenAI().running() as url:` serves it from a thread of its own, on an event loop of its own, so that the
+code under test can run its own loop (`tokenmill bench` calls asyncio.run itself).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+from aiohttp import web
 
 EOS_ID = 7
 EARLY_STOP_AT = 3  # tokens generated before "EOS" when it is not banned
@@ -28,38 +32,65 @@ class FakeOpenAI:
     in_flight: int = 0
     max_in_flight: int = 0
 
-    def transport(self) -> httpx.MockTransport:
-        return httpx.MockTransport(self.handle)
+    @contextmanager
+    def running(self) -> Iterator[str]:
+        """Serve on a free loopback port until the block ends; yields the base URL."""
+        loop = asyncio.new_event_loop()
+        app = web.Application()
+        app.router.add_route("*", "/{path:.*}", self.handle)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        loop.run_until_complete(runner.setup())
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        loop.run_until_complete(site.start())
+        port = runner.addresses[0][1]
+        thread = threading.Thread(target=loop.run_forever, name="fake-openai", daemon=True)
+        thread.start()
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout=10)
+            loop.close()
 
-    async def handle(self, request: httpx.Request) -> httpx.Response:
-        if request.method == "GET" and request.url.path == "/v1/models":
-            return httpx.Response(200, json={"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
-        if request.method == "GET" and request.url.path == "/tokenizer_info" and not self.peer_like:
-            return httpx.Response(200, json={"eos_token_id": EOS_ID, "bos_token_id": 1})
-        if request.method == "GET" and request.url.path == "/stats" and self.weight_bytes is not None:
-            return httpx.Response(200, json={"steps": 0, "weight_bytes_per_token": self.weight_bytes})
-        if request.method == "POST" and request.url.path == "/v1/completions":
-            body = json.loads(request.content)
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        if request.method == "GET" and request.path == "/v1/models":
+            return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+        if request.method == "GET" and request.path == "/tokenizer_info" and not self.peer_like:
+            return web.json_response({"eos_token_id": EOS_ID, "bos_token_id": 1})
+        if request.method == "GET" and request.path == "/stats" and self.weight_bytes is not None:
+            return web.json_response({"steps": 0, "weight_bytes_per_token": self.weight_bytes})
+        if request.method == "POST" and request.path == "/v1/completions":
+            body = await request.json()
             self.bodies.append(body)
             if self.fail_every and len(self.bodies) % self.fail_every == 0:
-                return httpx.Response(500, json={"error": {"message": "boom"}})
-            return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=self._stream(body))
-        return httpx.Response(404, json={"error": {"message": "not found"}})
+                return web.json_response({"error": {"message": "boom"}}, status=500)
+            return await self._stream(request, body)
+        return web.json_response({"error": {"message": "not found"}}, status=404)
 
-    async def _stream(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
+    async def _stream(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         banned = str(EOS_ID) in (body.get("logit_bias") or {})
         tokens = body["max_tokens"] if banned else min(EARLY_STOP_AT, body["max_tokens"])
-        for i in range(tokens):
-            await asyncio.sleep(self.step_s)
-            finish = None if i < tokens - 1 else ("length" if banned else "stop")
-            yield _event({"choices": [{"index": 0, "text": f" t{i}", "finish_reason": finish}], "usage": None})
-        if not self.peer_like:
-            usage = {"prompt_tokens": 5, "completion_tokens": tokens, "total_tokens": 5 + tokens}
-            yield _event({"choices": [], "usage": usage})
-        self.in_flight -= 1  # before [DONE]: the client stops reading there
-        yield b"data: [DONE]\n\n"
+        try:
+            for i in range(tokens):
+                await asyncio.sleep(self.step_s)
+                finish = None if i < tokens - 1 else ("length" if banned else "stop")
+                chunk = {"choices": [{"index": 0, "text": f" t{i}", "finish_reason": finish}], "usage": None}
+                await response.write(_event(chunk))
+            if not self.peer_like:
+                usage = {"prompt_tokens": 5, "completion_tokens": tokens, "total_tokens": 5 + tokens}
+                await response.write(_event({"choices": [], "usage": usage}))
+        except ConnectionResetError:
+            return response  # the client went away (a test of its timeout)
+        finally:
+            self.in_flight -= 1  # before [DONE]: the client stops reading there
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
 
 
 def _event(chunk: dict[str, Any]) -> bytes:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import math
 from pathlib import Path
@@ -87,14 +86,14 @@ def test_a_run_on_a_gguf_measures_around_each_single_stream_and_prints_the_limit
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     fake = FakeOpenAI()
-    monkeypatch.setattr(run, "bench_url", functools.partial(bench_url, transport=fake.transport()))
     sent_before: list[int] = []  # the completions sent before each measurement
     figures = iter([10.0, 12.0, 30.0, 32.0])
     monkeypatch.setattr(bandwidth, "measure_read_gb_s", lambda: sent_before.append(len(fake.bodies)) or next(figures))
     path = str(write_tiny_gguf(tmp_path / "tiny.gguf"))
     out = tmp_path / "bench.json"
-    argv = ["bench", "--url", "http://127.0.0.1:9", "--model", path, "--requests", "4", "--max-tokens", "8"]
-    assert main([*argv, "--concurrency", "1", "--single-runs", "2", "--rounds", "2", "--json", str(out)]) == 0
+    with fake.running() as url:
+        argv = ["bench", "--url", url, "--model", path, "--requests", "4", "--max-tokens", "8"]
+        assert main([*argv, "--concurrency", "1", "--single-runs", "2", "--rounds", "2", "--json", str(out)]) == 0
     # a round: the warm-up, a measurement, the two single-stream requests, a measurement, the level's four requests
     assert sent_before == [1, 3, 8, 10] and len(fake.bodies) == 14
     printed = capsys.readouterr().out
@@ -108,27 +107,25 @@ def test_a_run_on_a_gguf_measures_around_each_single_stream_and_prints_the_limit
 def test_no_measurement_without_a_file_or_with_no_bandwidth(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    fake = FakeOpenAI()
-    monkeypatch.setattr(run, "bench_url", functools.partial(bench_url, transport=fake.transport()))
-
     def never() -> float:
         raise AssertionError("nothing to set a limit with: no measurement")
 
     monkeypatch.setattr(bandwidth, "measure_read_gb_s", never)
-    argv = ["bench", "--url", "http://127.0.0.1:9", "--requests", "4", "--max-tokens", "8", "--concurrency", "1"]
-    assert main(argv) == 0
     path = str(write_tiny_gguf(tmp_path / "tiny.gguf"))
-    assert main([*argv, "--model", path, "--no-bandwidth"]) == 0
+    with FakeOpenAI().running() as url:
+        argv = ["bench", "--url", url, "--requests", "4", "--max-tokens", "8", "--concurrency", "1"]
+        assert main(argv) == 0
+        assert main([*argv, "--model", path, "--no-bandwidth"]) == 0
     assert "memory read" not in capsys.readouterr().out
 
 
 def test_a_server_that_reports_its_weight_bytes_gets_them_in_the_table_and_a_peer_gets_the_files(
     tmp_path: Path,
 ) -> None:
-    ours = asyncio.run(
-        bench_url("http://127.0.0.1:9", SETTINGS, transport=FakeOpenAI(weight_bytes=270_000_000).transport())
-    )
-    theirs = asyncio.run(bench_url("http://127.0.0.1:9", SETTINGS, transport=FakeOpenAI(peer_like=True).transport()))
+    with FakeOpenAI(weight_bytes=270_000_000).running() as url:
+        ours = asyncio.run(bench_url(url, SETTINGS))
+    with FakeOpenAI(peer_like=True).running() as url:
+        theirs = asyncio.run(bench_url(url, SETTINGS))
     assert ours["weight_bytes_per_token"] == 270_000_000 and theirs["weight_bytes_per_token"] is None
     figures = {
         "tokenmill": run.system_figures({"passes": [ours]}),

@@ -1,22 +1,22 @@
-"""The load generator against a fake OpenAI server (an httpx transport): bodies, token counts, bounds, failures."""
+"""The load generator against a fake OpenAI server on loopback: bodies, token counts, bounds, failures."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
-import httpx
+import aiohttp
 import pytest
 
 from tests.bench.fake_openai import EARLY_STOP_AT, EOS_ID, FakeOpenAI
 from tokenmill.bench.load import LoadSettings, bench_url, make_client, run_level, stream_completion
+from tokenmill.bench.load import run as load_run
 from tokenmill.bench.loopback import NotLoopbackError
-
-URL = "http://127.0.0.1:9"  # never dialled: the fake transport answers
 
 
 def run_pass(fake: FakeOpenAI, settings: LoadSettings) -> dict[str, Any]:
-    return asyncio.run(asyncio.wait_for(bench_url(URL, settings, fake.transport()), timeout=30))
+    with fake.running() as url:
+        return asyncio.run(asyncio.wait_for(bench_url(url, settings), timeout=30))
 
 
 def test_a_pass_bans_eos_from_tokenizer_info_and_counts_usage() -> None:
@@ -70,22 +70,24 @@ def test_a_level_stops_starting_requests_after_its_deadline() -> None:
     fake = FakeOpenAI()
     settings = LoadSettings(max_tokens=2, concurrency=(3,), requests=1000, level_timeout_s=0.0)
 
-    async def level() -> dict[str, Any]:
-        async with make_client(settings, fake.transport()) as client:
-            return await run_level(client, URL, "fake-model", settings, (EOS_ID,), 3)
+    async def level(url: str) -> dict[str, Any]:
+        async with make_client(settings) as client:
+            return await run_level(client, url, "fake-model", settings, (EOS_ID,), 3)
 
-    assert asyncio.run(level())["requests"] == 0 and fake.bodies == []
+    with fake.running() as url:
+        assert asyncio.run(level(url))["requests"] == 0 and fake.bodies == []
 
 
 def test_a_request_past_its_total_timeout_fails() -> None:
     fake = FakeOpenAI(step_s=0.05)
 
-    async def one() -> Any:
-        async with make_client(LoadSettings(), fake.transport()) as client:
+    async def one(url: str) -> Any:
+        async with make_client(LoadSettings()) as client:
             body = {"model": "m", "prompt": "p", "max_tokens": 100, "stream": True, "logit_bias": {str(EOS_ID): -100}}
-            return await stream_completion(client, URL, body, timeout_s=0.1)
+            return await stream_completion(client, url, body, timeout_s=0.1)
 
-    result = asyncio.run(one())
+    with fake.running() as url:
+        result = asyncio.run(one(url))
     assert not result.ok and "within" in (result.error or "")
 
 
@@ -95,16 +97,31 @@ def test_requests_per_level_default_to_twice_the_concurrency() -> None:
     assert LoadSettings(requests=3).requests_for(16) == 3
 
 
-def test_non_loopback_urls_are_refused_before_any_request() -> None:
-    fake = FakeOpenAI()
+def test_non_loopback_urls_are_refused_before_any_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_client(settings: LoadSettings) -> None:
+        raise AssertionError("a client was made for a URL that is not loopback")
+
+    monkeypatch.setattr("tokenmill.bench.load.make_client", no_client)
     with pytest.raises(NotLoopbackError):
-        asyncio.run(bench_url("http://192.0.2.1:8000", LoadSettings(), fake.transport()))
-    assert fake.bodies == []
+        asyncio.run(bench_url("http://192.0.2.1:8000", LoadSettings()))
 
 
 def test_the_client_ignores_proxy_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HTTP_PROXY", "http://192.0.2.1:3128")
-    client = make_client(LoadSettings())
-    assert client._trust_env is False
-    asyncio.run(client.aclose())
-    assert isinstance(client, httpx.AsyncClient)
+    fake = FakeOpenAI()
+
+    async def one(url: str) -> Any:
+        async with make_client(LoadSettings()) as client:
+            assert isinstance(client, aiohttp.ClientSession) and client.trust_env is False
+            body = {"model": "m", "prompt": "p", "max_tokens": 2, "stream": True, "logit_bias": {str(EOS_ID): -100}}
+            return await stream_completion(client, url, body, timeout_s=10)
+
+    with fake.running() as url:
+        assert asyncio.run(one(url)).completion_tokens == 2  # through no proxy: the one named does not exist
+
+
+def test_the_load_generator_runs_on_uvloop_where_it_is_installed() -> None:
+    async def loop_module() -> str:
+        return type(asyncio.get_running_loop()).__module__
+
+    assert load_run(loop_module()).startswith("uvloop")

@@ -1,8 +1,7 @@
-"""The `tokenmill bench` flow, with the fake OpenAI server in place of HTTP."""
+"""The `tokenmill bench` flow, against the fake OpenAI server on loopback."""
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -11,20 +10,16 @@ import pytest
 
 from tests.bench.fake_openai import EOS_ID, FakeOpenAI
 from tokenmill.bench import run
-from tokenmill.bench.load import bench_url
 from tokenmill.cli import main
 
 
-def test_bench_on_a_url_prints_the_table_and_writes_json(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_bench_on_a_url_prints_the_table_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     fake = FakeOpenAI()
-    monkeypatch.setattr(run, "bench_url", functools.partial(bench_url, transport=fake.transport()))
     out = tmp_path / "bench.json"
     argv = [
         "bench",
         "--url",
-        "http://127.0.0.1:9",
+        "(the fake's)",
         "--requests",
         "4",
         "--max-tokens",
@@ -39,7 +34,8 @@ def test_bench_on_a_url_prints_the_table_and_writes_json(
         "--json",
         str(out),
     ]
-    assert main(argv) == 0
+    with fake.running() as url:
+        assert main([url if a == "(the fake's)" else a for a in argv]) == 0
     printed = capsys.readouterr().out
     assert "single-stream decode" in printed and "2 clients: aggregate" in printed
     results = json.loads(out.read_text())

@@ -1,5 +1,10 @@
 """The load generator: streamed, greedy completion requests with EOS banned, sent one at a time (single-stream decode)
-or from N concurrent clients. Every loop is bounded in count and in time, and only loopback URLs are accepted."""
+or from N concurrent clients. Every loop is bounded in count and in time, and only loopback URLs are accepted.
+
+The generator shares the machine's cores with the server it measures, so the CPU it spends per streamed token is taken
+from that server, and the more so the faster the server streams. It runs on aiohttp (a C HTTP parser) under uvloop:
+httpx on asyncio's loop spent about four times as much a token (`scripts/served_level.py` prints the figure; the
+README has both)."""
 
 from __future__ import annotations
 
@@ -7,11 +12,11 @@ import asyncio
 import itertools
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-import httpx
+import aiohttp
 
 from tokenmill.bench.loopback import require_loopback
 from tokenmill.bench.stats import RequestResult, summarize_level, summarize_single
@@ -65,31 +70,31 @@ def completion_body(model: str, prompt: str, max_tokens: int, eos_ids: tuple[int
 
 
 async def stream_completion(
-    client: httpx.AsyncClient, base_url: str, body: dict[str, Any], timeout_s: float = 300.0
+    client: aiohttp.ClientSession, base_url: str, body: dict[str, Any], timeout_s: float = 300.0
 ) -> RequestResult:
     """One streamed request, bounded in total time (the client's own timeout only bounds each read)."""
     start = time.perf_counter()
     try:
         async with asyncio.timeout(timeout_s):
-            async with client.stream("POST", f"{base_url}/v1/completions", json=body) as response:
-                if response.status_code != 200:
-                    detail = (await response.aread()).decode(errors="replace")[:300]
-                    return _failed(start, f"HTTP {response.status_code}: {detail}")
+            async with client.post(f"{base_url}/v1/completions", json=body, allow_redirects=False) as response:
+                if response.status != 200:
+                    detail = (await response.read()).decode(errors="replace")[:300]
+                    return _failed(start, f"HTTP {response.status}: {detail}")
                 return await _read_stream(response, start, body["max_tokens"])
     except TimeoutError:
         return _failed(start, f"no complete answer within {timeout_s:g} s")
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+    except (aiohttp.ClientError, ValueError) as exc:  # ValueError: bad JSON, bad UTF-8, a line over the read buffer
         return _failed(start, f"{type(exc).__name__}: {exc}")
 
 
-async def _read_stream(response: httpx.Response, start: float, max_tokens: int) -> RequestResult:
+async def _read_stream(response: aiohttp.ClientResponse, start: float, max_tokens: int) -> RequestResult:
     first = last = None
     chunks, finish, usage = 0, None, None
-    async for line in response.aiter_lines():
-        if not line.startswith("data:"):
+    async for line in response.content:  # split at b"\n": an SSE event's lines
+        if not line.startswith(b"data:"):
             continue
         payload = line[5:].strip()
-        if payload == "[DONE]":
+        if payload == b"[DONE]":
             break
         chunk = json.loads(payload)
         if "error" in chunk:
@@ -119,7 +124,7 @@ def _failed(start: float, error: str) -> RequestResult:
 
 
 async def run_single(
-    client: httpx.AsyncClient, base_url: str, model: str, settings: LoadSettings, eos_ids: tuple[int, ...]
+    client: aiohttp.ClientSession, base_url: str, model: str, settings: LoadSettings, eos_ids: tuple[int, ...]
 ) -> dict[str, Any]:
     """Sequential requests, one stream at a time: decode tokens/s and TTFT with nothing else running."""
     body = completion_body(model, PROMPTS[0], settings.max_tokens, eos_ids)
@@ -133,7 +138,7 @@ async def run_single(
 
 
 async def run_level(
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     base_url: str,
     model: str,
     settings: LoadSettings,
@@ -146,7 +151,7 @@ async def run_level(
 
 
 async def level_requests(
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     base_url: str,
     model: str,
     settings: LoadSettings,
@@ -170,51 +175,60 @@ async def level_requests(
     return results, time.perf_counter() - start
 
 
-async def discover(client: httpx.AsyncClient, base_url: str) -> tuple[str, tuple[int, ...] | None]:
+async def discover(client: aiohttp.ClientSession, base_url: str) -> tuple[str, tuple[int, ...] | None]:
     """The served model id (first of /v1/models) and the EOS ids /tokenizer_info reports, where the server has it."""
-    models = await client.get(f"{base_url}/v1/models")
-    models.raise_for_status()
-    model = models.json()["data"][0]["id"]
-    info = await client.get(f"{base_url}/tokenizer_info")
-    if info.status_code != 200:
-        return model, None
-    body = info.json()
+    async with client.get(f"{base_url}/v1/models", allow_redirects=False) as models:
+        models.raise_for_status()
+        model = (await models.json(content_type=None))["data"][0]["id"]
+    async with client.get(f"{base_url}/tokenizer_info", allow_redirects=False) as info:
+        if info.status != 200:
+            return model, None
+        body = await info.json(content_type=None)
     ids = body.get("eos_token_ids") or [body.get("eos_token_id")]
     return model, tuple(int(i) for i in ids if i is not None) or None
 
 
-async def served_weight_bytes(client: httpx.AsyncClient, base_url: str) -> int | None:
+async def served_weight_bytes(client: aiohttp.ClientSession, base_url: str) -> int | None:
     """The bytes of weights a decode step reads, where the server says (tokenmill's /stats); None elsewhere."""
-    stats = await client.get(f"{base_url}/stats")
-    value = stats.json().get("weight_bytes_per_token") if stats.status_code == 200 else None
+    async with client.get(f"{base_url}/stats", allow_redirects=False) as stats:
+        value = (await stats.json(content_type=None)).get("weight_bytes_per_token") if stats.status == 200 else None
     return int(value) if isinstance(value, int) and value > 0 else None
 
 
-def make_client(settings: LoadSettings, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
+def make_client(settings: LoadSettings) -> aiohttp.ClientSession:
+    """The load generator's HTTP client (call it on a running event loop); use it in `async with`."""
     headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
     most = max((*settings.concurrency, 1))
-    return httpx.AsyncClient(
+    return aiohttp.ClientSession(
         headers=headers,
-        timeout=httpx.Timeout(settings.request_timeout_s, connect=10.0),
-        limits=httpx.Limits(max_connections=most + 4, max_keepalive_connections=most + 4),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=10.0, sock_read=settings.request_timeout_s),
+        connector=aiohttp.TCPConnector(limit=most + 4),
         trust_env=False,  # never route through a proxy from the environment
-        follow_redirects=False,
-        transport=transport,  # tests pass a fake server here
     )
 
 
+T = TypeVar("T")
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """Run the load generator's coroutine on uvloop where it is installed (uvicorn[standard] brings it on Linux and
+    macOS), else on asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
 async def bench_url(
-    url: str,
-    settings: LoadSettings,
-    transport: httpx.AsyncBaseTransport | None = None,
-    read_bandwidth: Callable[[], float] | None = None,
+    url: str, settings: LoadSettings, read_bandwidth: Callable[[], float] | None = None
 ) -> dict[str, Any]:
     """One pass over a server: a warm-up request, the single-stream runs, then each concurrency level.
     `read_bandwidth` (GB/s), where given, is measured just before and just after the single-stream runs, with the
     server idle: the machine's memory bandwidth drifts by the minute, so the limit a decode is held to must be the
     one it ran under (single["memory_read_gb_s"]: the two figures)."""
     base_url = require_loopback(url)
-    async with make_client(settings, transport) as client:
+    async with make_client(settings) as client:
         model, served_eos = await discover(client, base_url)
         eos_ids = settings.eos_ids if settings.eos_ids is not None else (served_eos or ())
         warmup = completion_body(model, PROMPTS[0], 8, eos_ids)

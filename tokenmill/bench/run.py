@@ -9,7 +9,6 @@ over rounds and the ratio is taken within one run).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import shlex
 import statistics
@@ -20,9 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 
-from tokenmill.bench import bandwidth, hf_baseline, report, synthetic
+from tokenmill.bench import bandwidth, hf_baseline, load, report, synthetic
 from tokenmill.bench.flags import PEERS
 from tokenmill.bench.llama_server import binary_path, ensure_llama_server, llama_cpp_tree, llama_server_spec
 from tokenmill.bench.load import LoadSettings, bench_url, discover, make_client
@@ -57,7 +56,7 @@ def run_bench(args: argparse.Namespace) -> int:
         if args.synthetic:
             args.model = str(_synthetic_file(args))
         results = bench_external(args) if args.url else bench_managed(args)
-    except (NotLoopbackError, ServerStartError, httpx.HTTPError) as exc:
+    except (NotLoopbackError, ServerStartError, aiohttp.ClientError) as exc:
         print(f"tokenmill bench: {exc}", file=sys.stderr)
         return 2
     print()
@@ -193,7 +192,7 @@ def _served_eos_ids(url: str, settings: LoadSettings) -> tuple[int, ...]:
         async with make_client(settings) as client:
             return (await discover(client, url))[1] or ()
 
-    return asyncio.run(ask())
+    return load.run(ask())
 
 
 def _interleave(
@@ -236,7 +235,7 @@ def _one_pass(name: str, url: str, settings: LoadSettings, r: int, rounds: int, 
     _progress(f"round {r + 1}/{rounds}: {name} at {url}{around}")
     started = time.perf_counter()
     read = bandwidth.measure_read_gb_s if measure else None
-    result = asyncio.run(bench_url(url, settings, read_bandwidth=read))
+    result = load.run(bench_url(url, settings, read_bandwidth=read))
     result["pass_s"] = time.perf_counter() - started
     return result
 
