@@ -28,6 +28,7 @@ class FakeOpenAI:
     fail_every: int = 0  # answer every n-th completion with a 500 (0: never)
     step_s: float = 0.001
     weight_bytes: int | None = None  # tokenmill-like: /stats reports the weights one decode step reads
+    close_after_stream: bool = False  # as llama-server does: the connection closed after a stream, keep-alive or not
     bodies: list[dict[str, Any]] = field(default_factory=list)
     in_flight: int = 0
     max_in_flight: int = 0
@@ -90,6 +91,8 @@ class FakeOpenAI:
             self.in_flight -= 1  # before [DONE]: the client stops reading there
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
+        if self.close_after_stream and request.transport is not None:
+            request.transport.close()
         return response
 
 

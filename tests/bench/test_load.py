@@ -59,6 +59,13 @@ def test_eos_that_is_not_banned_stops_early_and_is_counted_for_real() -> None:
     assert level["tokens_exact"] is False  # counted from chunks: no usage and no "length" finish
 
 
+def test_a_server_that_closes_its_connection_after_each_stream_answers_every_request() -> None:
+    fake = FakeOpenAI(close_after_stream=True)  # llama-server's way, in spite of its Keep-Alive header
+    result = run_pass(fake, LoadSettings(max_tokens=3, single_runs=3, concurrency=(1, 2), requests=4))
+    assert result["single"]["failed"] == 0 and [level["failed"] for level in result["levels"]] == [0, 0]
+    assert len(fake.bodies) == 1 + 3 + 4 + 4
+
+
 def test_failed_requests_are_reported_not_raised() -> None:
     fake = FakeOpenAI(fail_every=2)
     result = run_pass(fake, LoadSettings(max_tokens=3, single_runs=1, concurrency=(1,), requests=4))

@@ -202,7 +202,9 @@ def make_client(settings: LoadSettings) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(
         headers=headers,
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=10.0, sock_read=settings.request_timeout_s),
-        connector=aiohttp.TCPConnector(limit=most + 4),
+        # a connection a request: llama-server closes one after a stream in spite of its Keep-Alive header, and a
+        # pooled connection taken again before its close arrived failed the next request's write
+        connector=aiohttp.TCPConnector(limit=most + 4, force_close=True),
         trust_env=False,  # never route through a proxy from the environment
     )
 
