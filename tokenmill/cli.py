@@ -70,6 +70,9 @@ def run_bench(args: argparse.Namespace) -> int:
 def serve_forever(config: Config) -> int:
     if config.on_ray:
         return serve_replicas(config)
+    from tokenmill.engine.ahead import hash_models_ahead
+
+    hash_models_ahead(config)  # first: the imports below hold the GIL for over a second, and hashing needs none
     from tokenmill.api.app import create_app
     from tokenmill.api.serve import serve
     from tokenmill.engine.build import ModelLoadError

@@ -8,8 +8,8 @@ The cache keeps float32: the dequantised values are exact in float32 and not in 
 after loading. A Hugging Face directory is already safetensors: it is memory-mapped, and for a quantised start its
 linears are converted one at a time (hf_convert.py); nothing of it is cached but its hash.
 
-File identity is the file's SHA-256. Hashing is remembered per (path, size, mtime) in `<cache root>/identity/`, so a
-large file is hashed once; the packaged model's hash is the package's EXPECTED_SHA256 (`assemble()` verifies it).
+File identity is the file's SHA-256 (identity.py: remembered per (path, size, mtime), and begun ahead by a start); the
+packaged model's hash is the package's EXPECTED_SHA256 (`assemble()` verifies it).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import platformdirs
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -35,6 +34,7 @@ from tokenmill.config import DEFAULT_MODEL_NAME
 from tokenmill.model.gguf_linear import GgufWeight
 from tokenmill.model.linear import prepared_layout
 from tokenmill.model.loading.hf_dir import SAFETENSORS_DTYPES, Checkpoint, read_hf_config, read_hf_state_dict
+from tokenmill.model.loading.identity import cache_root, file_sha256
 from tokenmill.model.loading.memory import release_freed_memory
 from tokenmill.model.model_config import ModelConfig, RopeScaling
 from tokenmill.tokenizer import Tokenizer
@@ -130,10 +130,6 @@ def load_model_files(
 def is_gguf(path: str | None) -> bool:
     """Whether `path` names a GGUF model (the packaged default is one), not a Hugging Face directory."""
     return path is None or not Path(path).expanduser().is_dir()
-
-
-def cache_root(cache_dir: str | None) -> Path:
-    return Path(cache_dir).expanduser() if cache_dir else Path(platformdirs.user_cache_dir("tokenmill"))
 
 
 # --- GGUF, through the cache ----------------------------------------------------------------------------------------
@@ -305,28 +301,4 @@ def dir_sha256(path: Path, root: Path) -> str:
     digest = hashlib.sha256()
     for file in files:
         digest.update(f"{file.name}:{file_sha256(file, root)}\n".encode())
-    return digest.hexdigest()
-
-
-# --- file identity --------------------------------------------------------------------------------------------------
-def file_sha256(path: Path, root: Path) -> str:
-    """SHA-256 of the file, remembered per (absolute path, size, mtime) so an unchanged file is hashed once."""
-    stat = path.stat()
-    stamp = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
-    memo = root / "identity" / hashlib.sha1(stamp.encode()).hexdigest()
-    if memo.is_file():
-        return memo.read_text().strip()
-    digest = _hash_file(path)
-    memo.parent.mkdir(parents=True, exist_ok=True)
-    tmp = memo.with_name(f"{memo.name}.{uuid.uuid4().hex[:8]}")
-    tmp.write_text(digest)
-    os.replace(tmp, memo)
-    return digest
-
-
-def _hash_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 22):
-            digest.update(block)
     return digest.hexdigest()
