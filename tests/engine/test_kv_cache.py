@@ -65,3 +65,37 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one() -> None:
     bm.free_blocks(a.blocks)
     bm.free_blocks(blocks)
     assert bm.num_used == 0
+
+
+def test_a_freed_block_without_a_cached_prefix_is_handed_out_again_before_an_unused_one() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4)
+    prompt = list(range(9))  # two full blocks (registered) and a partial one
+    a = bm.allocate_prompt(prompt, use_cache=True)
+    assert a is not None and a.blocks == [0, 1, 2]  # never-used blocks in order
+    bm.register_full_blocks(prompt, a.blocks, len(prompt))
+    decoded = [bm.append_block() for _ in range(2)]  # a decode's blocks: never registered
+    assert decoded == [3, 4]
+    bm.free_blocks(a.blocks + decoded)
+    # the unregistered blocks come back last freed first (a sequence's are freed tail first), then the unused ones;
+    # the cached prefix (0, 1) goes last, and is still found meanwhile
+    assert [bm.append_block() for _ in range(4)] == [2, 3, 4, 5]
+    again = bm.allocate_prompt(prompt, use_cache=True)
+    assert again is not None and again.blocks[:2] == [0, 1] and again.num_cached_tokens == 8
+    assert again.blocks[2] == 6 and bm.append_block() == 7
+    assert bm.num_free == 0 and not bm.can_append()
+
+
+def test_every_free_block_without_a_cached_prefix_goes_before_any_cached_one_is_evicted() -> None:
+    bm = BlockManager(num_blocks=6, block_size=2)
+    for first in (0, 100):  # two prompts of two full blocks each, all four blocks cached once freed
+        prompt = list(range(first, first + 5))
+        alloc = bm.allocate_prompt(prompt, use_cache=True)
+        assert alloc is not None
+        bm.register_full_blocks(prompt, alloc.blocks, len(prompt))
+        bm.free_blocks(alloc.blocks)
+    # the second prompt took the first's partial block (2) again, then two unused ones
+    assert sorted(bm.block_to_hash) == [0, 1, 2, 3]
+    taken = [bm.append_block() for _ in range(6)]
+    # its partial block (4), the last unused one (5), then the cached blocks oldest freed first, a prompt's tail first
+    assert taken == [4, 5, 1, 0, 3, 2]
+    assert bm.hash_to_block == {} and bm.block_to_hash == {}

@@ -45,6 +45,10 @@ class BlockManager:
         self.block_size = block_size
         self.ref_counts = [0] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # oldest first
+        # the free blocks that hold no cached prefix, last freed last (never-used ones below them, block 0 on top):
+        # handed out before any cached prefix is evicted, the last freed first, so the pages a run touches stay near
+        # its working set instead of growing over the whole cache (the tensors are allocated untouched)
+        self.blank: dict[int, None] = dict.fromkeys(range(num_blocks - 1, -1, -1))
         self.hash_to_block: dict[int, int] = {}
         self.block_to_hash: dict[int, int] = {}
 
@@ -120,16 +124,25 @@ class BlockManager:
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
                 self.free[b] = None
+                if b not in self.block_to_hash:
+                    self.blank[b] = None
 
     def _take(self, block: int) -> None:
         if self.ref_counts[block] == 0:
             del self.free[block]
+            self.blank.pop(block, None)
         self.ref_counts[block] += 1
 
     def _take_fresh(self) -> int:
-        block, _ = self.free.popitem(last=False)
-        old = self.block_to_hash.pop(block, None)
-        if old is not None:
-            del self.hash_to_block[old]
+        """A free block for new tokens: the last freed one that holds no cached prefix, else (every free block holds
+        one) the least recently freed cached prefix, evicted."""
+        if self.blank:
+            block, _ = self.blank.popitem()
+            del self.free[block]
+        else:
+            block, _ = self.free.popitem(last=False)
+            old = self.block_to_hash.pop(block, None)
+            if old is not None:
+                del self.hash_to_block[old]
         self.ref_counts[block] = 1
         return block
