@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import sys
 from typing import Any
 
@@ -73,6 +74,10 @@ def serve_forever(config: Config) -> int:
     from tokenmill.engine.ahead import hash_models_ahead
 
     hash_models_ahead(config)  # first: the imports below hold the GIL for over a second, and hashing needs none
+    # Loading makes millions of objects (torch's import, a tokenizer's vocabulary and merges) and frees few of them:
+    # the cyclic collector's full passes over them found next to nothing and cost ~0.5 s of a start. It is back on
+    # once the models are loaded (freeze_loaded_objects); a start that fails exits.
+    gc.disable()
     from tokenmill.api.app import create_app
     from tokenmill.api.serve import serve
     from tokenmill.engine.build import ModelLoadError

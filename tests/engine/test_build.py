@@ -65,6 +65,16 @@ def test_freezing_after_loading_keeps_live_objects_out_of_collections_and_collec
         gc.unfreeze()
 
 
+def test_the_collector_a_start_turned_off_while_loading_is_on_again_once_the_objects_are_frozen() -> None:
+    gc.disable()  # as cli.serve_forever does before the imports and the load
+    try:
+        freeze_loaded_objects()
+        assert gc.isenabled()
+    finally:
+        gc.enable()
+        gc.unfreeze()
+
+
 def test_a_gguf_vocabulary_no_builder_takes_fails_the_load_with_its_reason(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

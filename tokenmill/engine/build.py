@@ -79,9 +79,11 @@ def freeze_loaded_objects() -> None:
 
     Why: they live as long as the process, yet each full collection would walk them all, ~0.1 s holding the GIL, and
     every stream stalls meanwhile (the engine thread needs the GIL between its C calls). A long-running server reaches
-    full collections as its requests' longer-lived objects pile up. Objects made later are collected as before."""
+    full collections as its requests' longer-lived objects pile up. Objects made later are collected as before: the
+    collector is turned back on here where a start turned it off while loading (cli.serve_forever)."""
     gc.collect()
     gc.freeze()
+    gc.enable()
 
 
 def system_fingerprint(source_id: str, config: Config) -> str:
