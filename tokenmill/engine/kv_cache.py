@@ -45,9 +45,9 @@ class BlockManager:
         self.block_size = block_size
         self.ref_counts = [0] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # oldest first
-        # the free blocks that hold no cached prefix, last freed last (never-used ones below them, block 0 on top):
-        # handed out before any cached prefix is evicted, the last freed first, so the pages a run touches stay near
-        # its working set instead of growing over the whole cache (the tensors are allocated untouched)
+        # the free blocks that hold no cached prefix, handed out from the end (popitem): first the last freed, then
+        # the never-used ones from block 0 up; all before any cached prefix is evicted, so the pages a run touches
+        # stay near its working set instead of growing over the whole cache (the tensors are allocated untouched)
         self.blank: dict[int, None] = dict.fromkeys(range(num_blocks - 1, -1, -1))
         self.hash_to_block: dict[int, int] = {}
         self.block_to_hash: dict[int, int] = {}

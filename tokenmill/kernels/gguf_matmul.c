@@ -670,10 +670,10 @@ ALWAYS_INLINE factors sub_block_factors(int type, const uint8_t *blk, fvec d, in
     return f;
 }
 
-/* Each thread's weights are one stream: ask for its lines into L2 (prefetcht1), one at a time, up to PREFETCH_AHEAD
- * bytes past `used` (see PREFETCH_AHEAD); *ahead is the next line to ask for */
-static inline void prefetch_through(const char **ahead, const uint8_t *used) {
-    const char *end = (const char *)used + PREFETCH_AHEAD;
+/* Each thread's weights are one stream: ask for its lines into L2 (prefetcht1), one at a time, up to `distance`
+ * bytes past `used` (PREFETCH_AHEAD, or a single row's ROW_PREFETCH_AHEAD); *ahead is the next line to ask for */
+static inline void prefetch_through(const char **ahead, const void *used, int64_t distance) {
+    const char *end = (const char *)used + distance;
     for (; *ahead < end; *ahead += 64) _mm_prefetch(*ahead, _MM_HINT_T1);
 }
 
@@ -771,10 +771,7 @@ ALWAYS_INLINE void packed_group_row(int type, const uint8_t *w, const xblock *x,
             factors f = sub_block_factors(type, blk, d, j);
             const xblock *xb = x + (u * S + j) * m;
             ivec sum, half;
-            if (prefetch) {
-                const char *end = (const char *)codes + (j + 1) * code_bytes(type) + ROW_PREFETCH_AHEAD;
-                for (; ahead < end; ahead += 64) _mm_prefetch(ahead, _MM_HINT_T1);
-            }
+            if (prefetch) prefetch_through(&ahead, codes + (j + 1) * code_bytes(type), ROW_PREFETCH_AHEAD);
             one_row_sums(type, codes + j * code_bytes(type), NULL, NULL, xb, &sum, &half);
             float_step(type, sum, half, f, xb, &acc, &mins);
         }
@@ -812,7 +809,7 @@ ALWAYS_INLINE void packed_group(int type, const uint8_t *w, const xblock *x, int
         const uint8_t *codes = blk + codes_at(type);
         for (int j = 0; j < S; j++) {
             factors f = sub_block_factors(type, blk, d, j);
-            prefetch_through(&ahead, codes + (j + 1) * code_bytes(type));
+            prefetch_through(&ahead, codes + (j + 1) * code_bytes(type), PREFETCH_AHEAD);
             ivec vec[8], mag[8]; /* mag: Q8_0's |codes| (AVX2's signed products) */
             for (int g = 0; g < 8; g++) vec[g] = packed_vector(type, codes + j * code_bytes(type), g);
             if (type == Q8_0)
@@ -931,7 +928,7 @@ static void amx_configure(void) {
 ALWAYS_INLINE void decode_block(int type, const uint8_t *w, int64_t i, const char **ahead, uint8_t *out) {
     const int S = is_k(type) ? 8 : 1;
     const uint8_t *codes = w + i / S * packed_unit_bytes(type) + codes_at(type) + i % S * code_bytes(type);
-    prefetch_through(ahead, codes + code_bytes(type));
+    prefetch_through(ahead, codes + code_bytes(type), PREFETCH_AHEAD);
     for (int g = 0; g < 8; g++) {
         ivec v = packed_vector(type, codes, g);
         if (amx_signed(type)) v = _mm512_sub_epi8(v, _mm512_set1_epi8((char)code_offset(type)));
@@ -971,7 +968,7 @@ ALWAYS_INLINE void block_sums(int type, const uint8_t *w, const uint8_t *decoded
     const uint8_t *wv = decoded + 512 * i;
     if (type == Q8_0) {
         wv = w + i * packed_unit_bytes(Q8_0) + codes_at(Q8_0);
-        prefetch_through(ahead, wv + code_bytes(Q8_0));
+        prefetch_through(ahead, wv + code_bytes(Q8_0), PREFETCH_AHEAD);
     }
     tile_sums(type, wv, x + i * m, (int)(i % 2), sums);
 }
@@ -1317,9 +1314,7 @@ static void high6_group(const uint8_t *w, const xblock *x, const float *spread, 
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * unit, *codes = blk + 32;
         const xblock *xb = x + b;
-        if (prefetch)
-            for (const char *end = (const char *)blk + unit + ROW_PREFETCH_AHEAD; ahead < end; ahead += 64)
-                _mm_prefetch(ahead, _MM_HINT_T1);
+        if (prefetch) prefetch_through(&ahead, blk + unit, ROW_PREFETCH_AHEAD);
         ivec c[4];
         for (int g = 0; g < 8; g += 2)
             c[g / 2] = iv_dot2(iv_zero(), packed_vector(HIGH6, codes, g), four(xb, g), packed_vector(HIGH6, codes, g + 1),

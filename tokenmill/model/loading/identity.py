@@ -33,7 +33,7 @@ def file_sha256(path: Path, root: Path) -> str:
     """SHA-256 of the file, remembered per (absolute path, size, mtime) so an unchanged file is hashed once; a hash
     begun ahead (hash_ahead) is waited for rather than begun again."""
     stamp = _stamp(path)
-    memo = root / "identity" / hashlib.sha1(stamp.encode()).hexdigest()
+    memo = _memo(root, stamp)
     if memo.is_file():
         return memo.read_text().strip()
     with _ahead_lock:
@@ -53,7 +53,7 @@ def hash_ahead(path: Path, root: Path) -> None:
         stamp = _stamp(path)
     except OSError:
         return
-    if (root / "identity" / hashlib.sha1(stamp.encode()).hexdigest()).is_file():
+    if _memo(root, stamp).is_file():
         return
     with _ahead_lock:
         if stamp in _ahead:
@@ -73,6 +73,11 @@ def hash_ahead(path: Path, root: Path) -> None:
 def _stamp(path: Path) -> str:
     stat = path.stat()
     return f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+
+
+def _memo(root: Path, stamp: str) -> Path:
+    """Where the hash of the file with this stamp is remembered."""
+    return root / "identity" / hashlib.sha1(stamp.encode()).hexdigest()
 
 
 def _hash_file(path: Path) -> str:
