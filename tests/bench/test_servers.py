@@ -108,7 +108,7 @@ def test_the_peer_is_rebuilt_when_its_cmake_arguments_change(tmp_path: Path, mon
 
     monkeypatch.setattr(servers, "_imports", lambda python, module: True)
     monkeypatch.setattr(servers.subprocess, "run", fake_run)
-    monkeypatch.setattr("tokenmill.bench.llama_server.platform.machine", lambda: "x86_64")
+    monkeypatch.setattr("tokenmill.bench.native_flags.platform.machine", lambda: "x86_64")
     assert servers.ensure_peer_venv(tmp_path, version="9.9.9") == str(python)
     [(command, cmake_args)] = runs
     assert command[-1] == "llama-cpp-python[server]==9.9.9" and "--force-reinstall" in command

