@@ -1,4 +1,4 @@
-"""One engine replica's service times, in-process, as the capacity simulation takes them (bench/replica_sim*.py).
+"""One engine replica's service times, in-process, as the capacity simulation takes them (cluster/sim/).
 
     python scripts/replica_service_times.py --threads 1          # what each of 2 replicas on 2 cores runs with
     python scripts/replica_service_times.py --model PATH --threads 4

@@ -11,7 +11,7 @@ the keys next to its own points, so the other replicas' caches stay warm.
 The key is the first block only because that is the unit the engine's prefix cache shares (engine/kv_cache.py: a
 block is cached by the hash of its tokens and every block before it), so two prompts can share cached KV only if
 their first blocks are equal; a prompt shorter than one block has nothing to share and goes to the less loaded of two replicas at random.
-Pure Python, no Ray: the router (cluster/router.py) and the capacity simulation (bench/replica_sim_cluster.py) both use it.
+Pure Python, no Ray: the router (cluster/router.py) and the capacity simulation (cluster/sim/cluster.py) both use it.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from tokenmill.cluster.affinity import prefix_key
 
 
 def option(default: Any, help: str) -> Any:
-    """A dataclass field that is also a command-line flag of `python -m tokenmill.bench.replica_sim`."""
+    """A dataclass field that is also a command-line flag of `python -m tokenmill.cluster.sim`."""
     return field(default=default, metadata={"help": help})
 
 

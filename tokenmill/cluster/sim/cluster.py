@@ -12,14 +12,14 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
+import statistics
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tokenmill.bench.replica_sim_model import EngineLimits, Flight, Replica, ServiceTimes
-from tokenmill.bench.replica_sim_trace import Arrival, Workload, make_trace, option
-from tokenmill.bench.stats import percentile
 from tokenmill.cluster.affinity import DEFAULT_LOAD_FACTOR, HashRing, bounded_order, load_bound, two_choices
+from tokenmill.cluster.sim.replica import EngineLimits, Flight, Replica, ServiceTimes
+from tokenmill.cluster.sim.trace import Arrival, Workload, make_trace, option
 
 
 @dataclass(frozen=True)
@@ -188,8 +188,8 @@ class ClusterSim:
         exits_in_window = sum(1 for e in self.exits if start <= e <= end)
         measured = self.flights[self.skip :]
         finished = [f for f in measured if f.done_s is not None]
-        ttfts = [t for f in finished if (t := f.ttft_s) is not None] or [0.0]
-        latencies = [t for f in finished if (t := f.latency_s) is not None] or [0.0]
+        ttft_p50, ttft_p99 = p50_p99([t for f in finished if (t := f.ttft_s) is not None] or [0.0])
+        e2e_p50, e2e_p99 = p50_p99([t for f in finished if (t := f.latency_s) is not None] or [0.0])
         routed = Counter(f.replica for f in self.flights)
         return SimResult(
             replicas=len(self.fleet),
@@ -197,10 +197,10 @@ class ClusterSim:
             offered_rps=(len(self.flights) - 1 - self.skip) / span,  # arrivals after the window's first
             completed_rps=len(done_in_window) / span,
             output_tok_s=sum(f.arrival.output_tokens for f in done_in_window) / span,
-            ttft_p50_s=percentile(ttfts, 50),
-            ttft_p99_s=percentile(ttfts, 99),
-            e2e_p50_s=percentile(latencies, 50),
-            e2e_p99_s=percentile(latencies, 99),
+            ttft_p50_s=ttft_p50,
+            ttft_p99_s=ttft_p99,
+            e2e_p50_s=e2e_p50,
+            e2e_p99_s=e2e_p99,
             cached_fraction=sum(f.cached_tokens for f in finished)
             / max(sum(f.arrival.prompt_tokens for f in finished), 1),
             proxy_util=exits_in_window * self.cfg.times.s_router / (self.cfg.proxies * span),
@@ -210,3 +210,11 @@ class ClusterSim:
             worst_over_bound=self.router.worst_over_bound,
             routed={name: routed[name] for name in self.fleet},
         )
+
+
+def p50_p99(values: Sequence[float]) -> tuple[float, float]:
+    """The 50th and 99th percentiles, interpolated between the closest ranks (numpy's default)."""
+    if len(values) < 2:  # statistics.quantiles needs two
+        return values[0], values[0]
+    cuts = statistics.quantiles(values, n=100, method="inclusive")
+    return cuts[49], cuts[98]

@@ -13,7 +13,7 @@ import heapq
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from tokenmill.bench.replica_sim_trace import Arrival, option
+from tokenmill.cluster.sim.trace import Arrival, option
 
 
 @dataclass(frozen=True)

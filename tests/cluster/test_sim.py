@@ -4,10 +4,10 @@ from dataclasses import replace
 
 import pytest
 
-from tokenmill.bench.replica_sim import main
-from tokenmill.bench.replica_sim_cluster import Capacity, SimConfig, simulate
-from tokenmill.bench.replica_sim_model import EngineLimits, PrefixCache, ServiceTimes
-from tokenmill.bench.replica_sim_trace import Workload, block_hashes
+from tokenmill.cluster.sim.cli import main
+from tokenmill.cluster.sim.cluster import Capacity, SimConfig, simulate
+from tokenmill.cluster.sim.replica import EngineLimits, PrefixCache, ServiceTimes
+from tokenmill.cluster.sim.trace import Workload, block_hashes
 
 # Small runs: 16 prompt groups whose prefixes (16 blocks each) do not all fit one replica's 128-block cache, behind a
 # proxy fast enough that the replicas bind (the measured default's would from two replicas on).

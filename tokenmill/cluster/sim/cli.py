@@ -1,7 +1,7 @@
-"""`python -m tokenmill.bench.replica_sim`: where a cluster of replicas runs out — the replicas or the proxy.
+"""`python -m tokenmill.cluster.sim`: where a cluster of replicas runs out — the replicas or the proxy.
 
-Replays a synthetic trace (replica_sim_trace.py: Poisson arrivals, prompts sharing Zipf-popular prefixes) through a
-proxy stage and the cluster router onto N simulated continuous-batching replicas (replica_sim_model.py, whose
+Replays a synthetic trace (trace.py: Poisson arrivals, prompts sharing Zipf-popular prefixes) through a
+proxy stage and the cluster router onto N simulated continuous-batching replicas (replica.py, whose
 `ServiceTimes` hold the per-step costs to replace with measured ones), with prefix affinity off and on. It prints the
 capacity model (one replica's ceiling from the service times, N of them, the proxy's ceiling and which binds) and, for
 each run, the offered and completed rates, latency percentiles, the prefix cache's hit rate and each stage's
@@ -15,10 +15,9 @@ from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
 
-from tokenmill.bench.flags import positive_int
-from tokenmill.bench.replica_sim_cluster import Capacity, SimConfig, SimResult, simulate
-from tokenmill.bench.replica_sim_model import EngineLimits, ServiceTimes
-from tokenmill.bench.replica_sim_trace import Workload
+from tokenmill.cluster.sim.cluster import Capacity, SimConfig, SimResult, simulate
+from tokenmill.cluster.sim.replica import EngineLimits, ServiceTimes
+from tokenmill.cluster.sim.trace import Workload
 
 FLAG_GROUPS: tuple[tuple[str, Any], ...] = (
     ("service times (measured per replica and per proxy)", ServiceTimes),
@@ -29,8 +28,8 @@ FLAG_GROUPS: tuple[tuple[str, Any], ...] = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tokenmill.bench.replica_sim", description=__doc__.split("\n\n")[0])
-    p.add_argument("--replicas", type=positive_int, nargs="+", default=[1, 10, 100], help="replica counts to run")
+    p = argparse.ArgumentParser(prog="python -m tokenmill.cluster.sim", description=__doc__.split("\n\n")[0])
+    p.add_argument("--replicas", type=int, nargs="+", default=[1, 10, 100], help="replica counts to run")
     for title, cls in FLAG_GROUPS:
         group = p.add_argument_group(title)
         for f in fields(cls):
@@ -104,6 +103,8 @@ def describe(cfg: SimConfig, replica_counts: Sequence[int]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if min(args.replicas) < 1:
+        parser.error(f"argument --replicas: must be at least 1, got {min(args.replicas)}")
     try:
         cfg = config_from(args)
     except ValueError as exc:  # the dataclasses' own checks, reported as a usage error
@@ -117,7 +118,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = [result_row(cfg, simulate(cfg, n, affinity)) for n in args.replicas for affinity in (False, True)]
     print(format_table(RESULT_HEADERS, rows))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
