@@ -9,7 +9,7 @@ A seeded sampling request and a greedy one run alone, then in every round among 
 lengths that change from round to round, some seeded, some greedy), each request arriving at a random step. Each
 round's seeded and greedy outputs must equal their runs alone, tokens and cumulative logprob, bit for bit; a round that
 differs is printed with its text. The e2e tier catches a fault of this kind only when the server's timing happens to
-make the batch that shows it (the 65-row step of the twelfth session of issue 11: 2 failures in 4 tier runs); here a
+make the batch that shows it (one such fault showed only in a 65-row step, and failed 2 tier runs in 4); here a
 round is deterministic, and `--start N` replays round N on a fresh engine.
 """
 
