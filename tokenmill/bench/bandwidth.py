@@ -4,8 +4,8 @@ A single-stream decode step reads every weight once, so on a memory-bound CPU a 
 bytes of weights ÷ the read bandwidth. The bench measures the bandwidth just before and just after each server's
 single-stream runs, with the servers idle, and reports, per server, the share of that limit its single-stream decode
 reaches for the bytes the GGUF file holds, against the figures around its own runs: on a shared machine the bandwidth
-drifts by the minute (by a third and more within a quarter of an hour; the README has an example), so a figure from
-another moment, let alone another session, would not do.
+drifts by the minute (by a third and more within a quarter of an hour), so a figure from another moment, let alone
+another day, would not do.
 """
 
 from __future__ import annotations
