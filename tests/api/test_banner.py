@@ -10,12 +10,20 @@ from dataclasses import replace
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.api.api_helpers import tiny_engine
 from tests.api.fake_engine import FakeEngine
 from tests.api.server_process import serve
+from tests.model.families import BY_NAME, write_gguf, write_hf_model
+from tests.model.gguf_blocks import MIXED
+from tests.tiny_model import write_tiny_gguf
 from tokenmill.api.banner import banner, url_of
+from tokenmill.config import Config
+from tokenmill.engine.build import load_engine_core
+from tokenmill.engine.engine import AsyncEngine
 from tokenmill.engine.outputs import EngineDescription
+from tokenmill.kernels import ops
 
 DESCRIPTION = EngineDescription("bfloat16", "gguf", 4096, ("fused", "gguf_matmul"))
 KEY = "sk-banner-secret"
@@ -46,6 +54,31 @@ def test_the_curl_line_runs_as_pasted_and_shows_key_only_as_a_variable() -> None
         assert ("Authorization: Bearer $KEY" in words) == with_key
         assert text.splitlines()[-1] == f"  try: {fields['curl']}"
     assert "unquantised weights" in text and "C kernels: none (torch only)" in text
+
+
+def _gguf(family: str, tmp_path: Path) -> Path:
+    if family == "gemma3":
+        return write_tiny_gguf(tmp_path / "gemma3.gguf", quantize=MIXED)
+    hf = write_hf_model(tmp_path / family, BY_NAME[family])
+    return write_gguf(tmp_path / f"{family}.gguf", BY_NAME[family], hf, quantize=MIXED)
+
+
+@pytest.mark.skipif(not ops.decoder_layer_available(), reason="the C decoder layer is not built here")
+@pytest.mark.parametrize(
+    ("family", "activation"), [("llama", "silu_mul"), ("qwen2", "silu_mul"), ("gemma3", "gelu_mul")]
+)
+def test_the_banner_names_the_decoder_layer_kernel_of_a_gguf_model_whose_layers_all_run_in_it(
+    family: str, activation: str, tmp_path: Path
+) -> None:
+    config = Config(model=str(_gguf(family, tmp_path)), cache_dir=str(tmp_path / "cache"), num_kv_blocks=16)
+    loaded = load_engine_core(config)
+    assert loaded.core.runner.model.layers_in_c(loaded.core.runner.dtype)
+    engine = AsyncEngine(loaded.core, loaded.model_name, loaded.system_fingerprint, description=loaded.description)
+    line = banner("http://127.0.0.1:8000", [engine], with_key=False)[0].splitlines()[1]
+    kernels = line.split("C kernels: ")[1].split(", ")
+    assert "decoder_layer" in kernels and activation in kernels and "gguf_matmul" in kernels
+    other = "gelu_mul" if activation == "silu_mul" else "silu_mul"
+    assert other not in kernels  # the activation the model calls, not another family's
 
 
 def test_an_ipv6_host_is_bracketed_in_the_url() -> None:

@@ -1,4 +1,5 @@
-"""What every architecture shares (model/causal_lm.py): here, the bytes of weights one decode step reads."""
+"""What every architecture shares (model/causal_lm.py): here, the bytes of weights one decode step reads, and the C
+kernels its forward calls."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from pathlib import Path
 
 import torch
 
-from tests.engine.tiny import tiny_config
+from tests.engine.tiny import tiny_config, tiny_model
+from tokenmill.kernels import ops
+from tokenmill.model.causal_lm import KernelReport
 from tokenmill.model.linear import prepare_linears
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loading.loader import load_model_files
@@ -43,3 +46,15 @@ def test_a_separate_heads_embedding_table_is_only_looked_up() -> None:
     table = model.model.embed_tokens.weight
     assert model.lm_head is not None
     assert model.weight_bytes_per_token() == nbytes(list(model.parameters())) - nbytes([table])
+
+
+def test_a_model_reports_the_c_kernels_its_forward_calls() -> None:
+    llama = LlamaForCausalLM(dataclasses.replace(tiny_config(), architecture="llama")).to(torch.bfloat16)
+    gemma = tiny_model().to(torch.bfloat16)
+    assert llama.c_kernels(torch.float32) == KernelReport((), decoder_layer=False)  # bf16 activations only
+    in_c = ops.library() is not None
+    assert ("silu_mul" in llama.c_kernels(torch.bfloat16).modules) == (in_c and ops.silu_mul_available())
+    assert ("gelu_mul" in gemma.c_kernels(torch.bfloat16).modules) == (in_c and ops.gelu_mul_available())
+    assert "gelu_mul" not in llama.c_kernels(torch.bfloat16).modules
+    assert not {"gguf_matmul", "int8_matmul"} & set(gemma.c_kernels(torch.bfloat16).modules)  # its linears: torch's
+    assert not gemma.c_kernels(torch.bfloat16).decoder_layer  # the C layer takes GGUF blocks only

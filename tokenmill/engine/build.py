@@ -17,9 +17,9 @@ from tokenmill.engine.core import EngineCore
 from tokenmill.engine.kv_cache import BlockManager, kv_bytes_per_token
 from tokenmill.engine.outputs import EngineDescription
 from tokenmill.engine.runner import ModelRunner
+from tokenmill.engine.sampler import c_kernels as sampler_kernels
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.model.causal_lm import CausalLM
-from tokenmill.model.gemma3 import Gemma3DecoderLayer
 from tokenmill.model.loading.memory import release_freed_memory, unmap_file_pages
 from tokenmill.tokenizer import Tokenizer
 
@@ -93,43 +93,15 @@ def system_fingerprint(source_id: str, config: Config) -> str:
 
 
 def describe(core: EngineCore, config: Config) -> EngineDescription:
-    """The engine as built from `config` (whose quantisation is the one run, see load_engine_core)."""
-    quantization = config.weight_quantization
+    """The engine as built from `config` (whose quantisation is the one run, see load_engine_core); its C kernels as
+    the model and the sampler report them."""
+    report = core.runner.model.c_kernels(core.runner.dtype)
     return EngineDescription(
         dtype=config.dtype,
-        quantization=quantization,
+        quantization=config.weight_quantization,
         kv_cache_tokens=core.blocks.num_blocks * core.blocks.block_size,
-        kernels=kernels_in_use(config.dtype, quantization) + (("decoder_layer",) if layers_in_c(core) else ()),
+        kernels=(*report.modules, *sampler_kernels(), *(("decoder_layer",) if report.decoder_layer else ())),
     )
-
-
-def layers_in_c(core: EngineCore) -> bool:
-    """Whether every decoder layer runs as one C call (decoder_layer.c), by the check each layer's forward makes."""
-    layers = list(core.runner.model.model.layers)
-    dtype = core.runner.dtype
-    return bool(layers) and all(
-        isinstance(layer, Gemma3DecoderLayer) and layer.c_plan_for(dtype) is not None for layer in layers
-    )
-
-
-def kernels_in_use(dtype: str, quantization: str) -> tuple[str, ...]:
-    """The C kernels a model of this dtype and quantisation calls here (the model's layers pick each by the same
-    checks); the rest of its work runs in torch."""
-    from tokenmill.kernels import ops
-
-    if ops.library() is None:
-        return ()
-    bf16 = dtype == "bfloat16"  # the fused, attention, GELU and matmul kernels take bf16 activations only
-    wanted = {
-        "fused": bf16,  # the norms, norm + residual, q/k norm + rotary
-        "paged_attention": bf16 and ops.paged_attention_available(),
-        "gelu_mul": bf16 and ops.gelu_mul_available(),
-        "int8_matmul": bf16 and quantization == "int8" and ops.int8_matmul_available(),
-        "gguf_matmul": bf16 and quantization == "gguf" and ops.gguf_matmul_available(),
-        "gguf_amx": bf16 and quantization == "gguf" and ops.gguf_amx(),  # its batches of 16 rows on AMX tiles
-        "argmax": ops.argmax_available(),  # greedy sampling over float32 logits, whatever the dtype
-    }
-    return tuple(name for name, used in wanted.items() if used)
 
 
 def build_engine_core(model: CausalLM, tokenizer: Tokenizer, config: Config) -> EngineCore:

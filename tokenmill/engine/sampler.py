@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.engine.sampling import SamplingParams
-from tokenmill.kernels.ops import argmax_rows
+from tokenmill.kernels.ops import argmax_available, argmax_rows
 
 
 class NoTokenLeft(ValueError):
@@ -57,6 +57,11 @@ class Sampled:
     token_id: int
     logprob: float | None  # the model's own log-probability of the chosen token; None when nobody asked for it
     top: list[tuple[int, float]]  # the `params.logprobs` most likely tokens, best first (empty if not asked)
+
+
+def c_kernels() -> tuple[str, ...]:
+    """The C kernels sampling calls (the start-up banner lists them beside the model's): greedy argmax, where built."""
+    return ("argmax",) if argmax_available() else ()
 
 
 @torch.inference_mode()  # the logits are inference tensors, adjusted in place

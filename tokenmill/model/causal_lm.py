@@ -15,11 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.kernels import ops
 from tokenmill.model.attention import AttentionMetadata
-from tokenmill.model.c_layer import LayerStack
+from tokenmill.model.c_layer import CLayer, LayerStack
 from tokenmill.model.gguf_linear import GgufLinear
 from tokenmill.model.layers import RMSNorm
-from tokenmill.model.linear import chunked_linear, float32_product
+from tokenmill.model.linear import TiledInt8Linear, chunked_linear, float32_product
 from tokenmill.model.model_config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (keys, values), each (num_slots, Hkv, D)
@@ -48,12 +49,22 @@ class HeadSummary:
     finite: list[bool]
 
 
+@dataclass(frozen=True)
+class KernelReport:
+    """The C kernels (kernels/) a model's forward calls on activations of one dtype: what the start-up banner lists."""
+
+    modules: tuple[str, ...]  # what its modules call: norms and rotary, attention, the MLP's activation, the matmul
+    decoder_layer: bool  # every layer runs as one C call (decoder_layer.c), which calls those same kernels itself
+
+
 class CausalLM(nn.Module):
     """A subclass builds `model` (its DecoderModel) and `lm_head` (None: tied to the embedding, until a quantised copy
     replaces it), and says which rotary each layer uses."""
 
     # checkpoint projections that the model holds stacked (one matmul each), in stacking order
     STACKED_PROJECTIONS: ClassVar[dict[str, tuple[str, ...]]] = {}
+    # the C kernel of its gated MLP's activation (layers.gelu_mul, layers.silu_mul); None: torch computes it
+    ACTIVATION_KERNEL: ClassVar[str | None] = None
     model: DecoderModel
     lm_head: nn.Module | None
 
@@ -123,6 +134,34 @@ class CausalLM(nn.Module):
                 continue
             sizes[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
         return sum(sizes.values())
+
+    def c_kernels(self, dtype: torch.dtype) -> KernelReport:
+        """The C kernels this model's forward calls on activations of `dtype`, by the checks its modules make (its
+        linears as prepared: ask once they are swapped, linear.prepare_linears)."""
+        in_c = dtype == torch.bfloat16 and ops.library() is not None  # the kernels take bf16 activations only
+        head_dim, activation = self.config.head_dim, self.ACTIVATION_KERNEL
+        modules = list(self.modules())
+        gguf = any(isinstance(m, GgufLinear) and m.kernel for m in modules)
+        used = {
+            "fused": in_c,  # the norms, norm + residual, q/k norm + rotary
+            "paged_attention": in_c
+            and head_dim % 16 == 0
+            and head_dim <= ops.MAX_ATTENTION_HEAD_DIM
+            and ops.paged_attention_available(),
+            "gelu_mul": in_c and activation == "gelu_mul" and ops.gelu_mul_available(),
+            "silu_mul": in_c and activation == "silu_mul" and ops.silu_mul_available(),
+            "int8_matmul": any(isinstance(m, TiledInt8Linear) for m in modules),
+            "gguf_matmul": gguf,
+            "gguf_amx": gguf and ops.gguf_amx(),  # its batches of 16 rows on AMX tiles
+        }
+        return KernelReport(tuple(name for name, on in used.items() if on), self.layers_in_c(dtype))
+
+    def layers_in_c(self, dtype: torch.dtype) -> bool:
+        """Whether every decoder layer runs as one C call (decoder_layer.c), by the check each layer's forward makes."""
+        layers = list(self.model.layers)
+        return bool(layers) and all(
+            isinstance(layer, CLayer) and layer.c_plan_for(dtype) is not None for layer in layers
+        )
 
     @torch.inference_mode()
     def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:

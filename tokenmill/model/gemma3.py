@@ -120,6 +120,7 @@ class Gemma3ForCausalLM(CausalLM):
         "qkv_proj": ("q_proj", "k_proj", "v_proj"),
         "gate_up_proj": ("gate_proj", "up_proj"),
     }
+    ACTIVATION_KERNEL: ClassVar[str | None] = "gelu_mul"
     model: Gemma3Model
 
     def __init__(self, cfg: ModelConfig) -> None:

@@ -118,6 +118,7 @@ class LlamaForCausalLM(CausalLM):
         "qkv_proj": ("q_proj", "k_proj", "v_proj"),
         "gate_up_proj": ("gate_proj", "up_proj"),
     }
+    ACTIVATION_KERNEL: ClassVar[str | None] = "silu_mul"
     model: LlamaModel
 
     def __init__(self, cfg: ModelConfig) -> None:
