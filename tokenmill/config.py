@@ -103,7 +103,7 @@ class Config:
     prefix_affinity: bool = _opt(
         True, "route prompts sharing their first KV block to the same replica (off: power of two choices)"
     )
-    # --- limits: what one request may ask for, and how much may wait (see README "Robustness") ---
+    # --- limits: what one request may ask for, and how much may wait (docs/api.md, "Limits") ---
     max_waiting_requests: int = _opt(1024, "prompts admitted but not yet started; past it new requests get 429")
     max_waiting_tokens: int = _opt(1 << 20, "prompt tokens of the waiting prompts; past it new requests get 429")
     max_request_bytes: int = _opt(32 << 20, "largest request body accepted, in bytes")

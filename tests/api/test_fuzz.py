@@ -2,7 +2,7 @@
 
 For /v1/completions, /tokenize, /detokenize and /v1/models: schema-valid and schema-violating requests alike never get a
 5xx (nor FastAPI's 422), every 4xx has OpenAI's error shape, and every completion (JSON or SSE) matches OpenAI's schema.
-The CI budget is TOKENMILL_FUZZ_EXAMPLES (default 50) examples per operation and mode; README.md has the longer run.
+The CI budget is TOKENMILL_FUZZ_EXAMPLES (default 50) examples per operation and mode; docs/testing.md has the longer run.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ or from N concurrent clients. Every loop is bounded in count and in time, and on
 
 The generator shares the machine's cores with the server it measures, so the CPU it spends per streamed token is taken
 from that server, and the more so the faster the server streams. It runs on aiohttp (a C HTTP parser) under uvloop:
-httpx on asyncio's loop spent about four times as much a token (`scripts/served_level.py` prints the figure; the
-README has both)."""
+httpx on asyncio's loop spent about four times as much a token (`scripts/served_level.py` prints the figure;
+docs/decisions/0021-load-generator.md has both)."""
 
 from __future__ import annotations
 

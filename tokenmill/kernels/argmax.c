@@ -2,7 +2,7 @@
  *
  * Why: torch's CPU argmax over such rows is far slower than its own amax over the same memory, so the cost is its
  * index bookkeeping, not the reads; this is one vectorised pass that keeps an index per lane, split over the threads
- * (the README's Performance section has the measurements). Same answer as torch.argmax: the first index of the
+ * (docs/decisions/0012-head-argmax-in-its-pass.md has the measurements). Same answer as torch.argmax: the first index of the
  * largest value, and a row holding NaN gives its first NaN. Rows are cut into fixed segments merged in order, so a
  * row's answer never depends on the other rows (nor could it: the answer is exact).
  */

@@ -2,7 +2,7 @@
  * Llama's (silu_mul, at the end): the same with silu.
  *
  * Why: torch runs it as three ops (chunk, gelu, mul) with a bf16 intermediate, each a pass over memory with its own
- * fixed cost, in every layer of every step (see the README's Performance section). Here it is one pass with the same
+ * fixed cost, in every layer of every step (docs/decisions/0013-one-call-decoder-layer.md). Here it is one pass with the same
  * roundings: gelu_tanh(g) = g/2 (1 + tanh(u)), u = sqrt(2/pi) (g + 0.044715 g^3), in float32, rounded to bf16, times
  * up in float32, rounded to bf16. Elementwise, so a row's result never depends on the others. (For large negative g
  * this is more accurate than torch's, whose 1 + tanh(u) cancels: there the two differ by more than a rounding, on

@@ -6,7 +6,7 @@
  * decode step. Here each row of x is quantised to int16 (a power-of-two scale per row, so every value of at least
  * 1/128 of the row's largest is kept exactly) and multiplied against the int8 weights with AVX-512 VNNI's int16 dot
  * product (vpdpwssd), each weight widened to int16 once per ROWS rows: at one row the kernel only streams the weights
- * from memory, at many rows each widened weight serves ROWS rows' dot products. The README's Performance section
+ * from memory, at many rows each widened weight serves ROWS rows' dot products. docs/decisions/0005-int8-for-hugging-face.md
  * has the measurements against torch's kernel.
  *
  * Exactness, hence batch invariance: the int16 x int8 products are summed exactly in int32 over chunks of

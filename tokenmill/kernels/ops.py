@@ -12,7 +12,7 @@ Our C kernels serve the bf16 hot path where eager torch is slow on a CPU, mostly
   in one call.
 - token_splits.c, not a model kernel: the two-piece splits of a vocabulary's pieces, for the Gemma GGUF tokenizer's
   merges (tokenizer/splits.py), a part of every start that numpy took ~0.7 s over.
-The README's Performance section has what each gains. Each computes the arithmetic of the torch path it replaces.
+docs/decisions/ records what each gains. Each computes the arithmetic of the torch path it replaces.
 
 build.py compiles them on first use and caches the build. `library()` is that library, or None where it could not be
 built (no compiler, an unsafe cache directory; build.py logs why) or TOKENMILL_FUSED=0 turns it off; `usable(x)` says

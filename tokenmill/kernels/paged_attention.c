@@ -214,7 +214,7 @@ static void attend(const call *c, int64_t r, int64_t kv, int64_t h, int64_t gs, 
 /* A thread's units' key and value rows are asked into L2 (prefetcht1) up to PREFETCH_BYTES ahead of the unit in hand,
  * a row at a time. Why: a decode step finds each layer's cache cold (the step streams all the weights between two
  * visits of a layer), and the loops' own loads, a key at a time, kept too few lines in flight: 16 rows of 70 keys took
- * 3x as long cold as hot (`scripts/attention_speed.py --cold`; the README has the figures). Asking for each item's rows
+ * 3x as long cold as hot (`scripts/attention_speed.py --cold`; docs/decisions/0014-attention-key-chunks.md). Asking for each item's rows
  * just before it, or for the budget's rows in one tight loop, gained less than this, measured. */
 #define PREFETCH_BYTES (512 << 10)
 typedef struct {

@@ -11,8 +11,8 @@ Either way a row gets the same bits whether it is decoded alone, decoded beside 
 all rows of a step), or computed inside a prompt's prefill, from a cached prefix or after a preemption.
 
 Why not one SDPA call per sequence: its fixed per-call cost (GQA expansion, the math fallback on a CPU) is paid per
-sequence and layer, so it grows with the batch, where one call per layer does not (see the README's Performance
-section).
+sequence and layer, so it grows with the batch, where one call per layer does not
+(docs/decisions/0014-attention-key-chunks.md).
 """
 
 from __future__ import annotations

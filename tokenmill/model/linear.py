@@ -3,7 +3,7 @@
 A decode step reads every weight once per token, so on a memory-bound CPU the step time follows the weights' bytes:
 int8 halves bf16's. With bf16 activations on a CPU with AVX-512 VNNI or AVX2, int8 layers run our own kernel
 (TiledInt8Linear, int8_matmul.c: int16 activations against int8 weights in integer dot products, where torch's kernel
-converts every weight to float; the README's Performance section measures both); otherwise torch's CPU kernels do
+converts every weight to float; docs/decisions/0005-int8-for-hugging-face.md measures both); otherwise torch's CPU kernels do
 the matmul (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`). Quantising changes logits, so the unquantised
 modes stay for scoring.
 

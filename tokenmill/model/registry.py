@@ -68,7 +68,7 @@ def _no_weight_init() -> Iterator[None]:
     """Module constructors skip their random initialisation (the loaded tensors replace it anyway).
 
     On the meta device that initialisation is free of work but not of cost: its first call imports torch's reference
-    decompositions, a large part of a cached start (README, Performance).
+    decompositions, a large part of a cached start (docs/decisions/0017-startup-overlap.md).
     """
     names = ("normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_")
     saved = {name: getattr(nn.init, name) for name in names}

@@ -140,7 +140,7 @@ def _merges_in_file_order(tokens: list[str], vocab: Mapping[str, int]) -> list[t
     sorts by (score, len(left), len(right)) descending; this produces that order directly. `vocab`: the tokens'
     distinct strings. The splits are found by split_pairs (C or numpy, exact); where numpy's finds two of the
     vocabulary's strings sharing a hash it cannot decide, and the same list comes from slicing every token at every
-    cut, ~1.2 million dictionary look-ups for Gemma 3's 262,144 pieces (the README's AVX2 section has the times).
+    cut, ~1.2 million dictionary look-ups for Gemma 3's 262,144 pieces (docs/decisions/0017-startup-overlap.md has the times).
     """
     pairs = split_pairs(tokens, len(vocab))
     if pairs is None:
