@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from tokenmill.bench.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-sample"
@@ -85,12 +86,6 @@ def send_requests(base: str, model: str) -> str:
         scrape = client.get("/metrics")
         scrape.raise_for_status()
         return scrape.text
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_healthy(base: str, process: subprocess.Popen[bytes]) -> None:

@@ -1,21 +1,25 @@
-"""A real `tokenmill serve` process on a model directory (127.0.0.1 only), for the tests that need the whole server.
+"""A real `tokenmill serve` process on 127.0.0.1, for the tests that need the whole server: every tier starts its
+servers here (the fast tier on the tiny model, the e2e tier on the default model, the `ray` tier with replicas).
 
-The process is always stopped (killed if it will not stop); its stdout and stderr go to a log file the tests read.
+Its stdout and stderr go to a log file the tests read. It runs in a session of its own and is always stopped: sent the
+tier's signal, then, if it has not ended within the grace, killed with everything it spawned.
 """
 
 from __future__ import annotations
 
 import os
-import socket
+import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from tokenmill.bench.servers import free_port
 
 START_TIMEOUT_S = 120
 
@@ -29,53 +33,86 @@ class Server:
     def wait_exit(self, timeout_s: float = 60) -> int:
         return self.process.wait(timeout=timeout_s)
 
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-chars:]
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+
+class ServerNotReadyError(RuntimeError):
+    """The server exited, or did not answer ready, within its bound; the message ends with its log's tail."""
+
+
+def answers_200(response: httpx.Response) -> bool:
+    return response.status_code == 200
 
 
 @contextmanager
 def serve(model_dir: Path, tmp_path: Path, *flags: str) -> Iterator[Server]:
-    port, log = free_port(), tmp_path / f"server-{time.monotonic_ns()}.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "tokenmill.cli",
-        "serve",
-        "--model",
-        str(model_dir),
-        "--cache-dir",
-        str(tmp_path),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        *flags,
-    ]
+    """The server on `model_dir` with `tmp_path` as its cache dir, killed at the end (the tests wait for what they
+    need before they leave)."""
+    flags = ("--model", str(model_dir), "--cache-dir", str(tmp_path), *flags)
+    with serve_process(flags, tmp_path / f"server-{time.monotonic_ns()}.log") as server:
+        yield server
+
+
+@contextmanager
+def serve_process(
+    flags: Sequence[str],
+    log: Path,
+    *,
+    start_timeout_s: float = START_TIMEOUT_S,
+    ready: Callable[[httpx.Response], bool] = answers_200,
+    stop_signal: signal.Signals = signal.SIGKILL,
+    grace_s: float = 30,
+    env: Mapping[str, str] | None = None,
+) -> Iterator[Server]:
+    """`tokenmill serve --host 127.0.0.1 --port <free> *flags`, yielded once GET /health passes `ready`."""
+    port = free_port()
+    command = [sys.executable, "-m", "tokenmill.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *flags]
     with log.open("wb") as out:
         process = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            start_new_session=True,
         )
     server = Server(f"http://127.0.0.1:{port}", process, log)
     try:
-        _wait_healthy(server)
+        wait_ready(server, start_timeout_s, ready)
         yield server
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=30)
+        stop(process, stop_signal, grace_s)
 
 
-def _wait_healthy(server: Server) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
+def wait_ready(
+    server: Server,
+    timeout_s: float = START_TIMEOUT_S,
+    ready: Callable[[httpx.Response], bool] = answers_200,
+    headers: dict[str, str] | None = None,
+) -> None:
+    """Until GET /health passes `ready` (a start, or a recovery), bounded by `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        assert server.process.poll() is None, server.log.read_text()
+        if server.process.poll() is not None:
+            raise ServerNotReadyError(f"the server exited with {server.process.returncode}:\n{server.log_tail()}")
         try:
-            if httpx.get(server.base_url + "/health", timeout=2).status_code == 200:
+            if ready(httpx.get(server.base_url + "/health", timeout=5, headers=headers)):
                 return
         except httpx.HTTPError:
-            pass
+            pass  # not listening yet
         time.sleep(0.2)
-    raise TimeoutError("the server did not become healthy")
+    raise ServerNotReadyError(f"the server was not ready within {timeout_s:.0f} s:\n{server.log_tail()}")
+
+
+def stop(process: subprocess.Popen[bytes], stop_signal: signal.Signals, grace_s: float) -> None:
+    if process.poll() is None:
+        process.send_signal(stop_signal)
+        try:
+            process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)  # its own session: whatever it spawned and left behind
+    except ProcessLookupError:
+        pass
+    process.wait(timeout=30)

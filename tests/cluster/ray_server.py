@@ -8,11 +8,8 @@ group killed if that does not end it.
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,7 +19,7 @@ import httpx
 import pytest
 
 from tests.api.scrape import Samples
-from tests.api.server_process import Server, free_port
+from tests.api.server_process import Server, serve_process, wait_ready
 
 START_TIMEOUT_S = 240  # Ray, Serve, the proxy and every replica loading its model, on two busy cores
 STOP_TIMEOUT_S = 90
@@ -40,49 +37,28 @@ def skip_unless_private_network() -> pytest.MarkDecorator:
     )
 
 
+def every_replica_up(health: httpx.Response) -> bool:
+    return health.status_code == 200 and health.json()["status"] == "ok"
+
+
 @contextmanager
 def serve_replicas(model_dir: Path, tmp_path: Path, *flags: str) -> Iterator[Server]:
-    port, log = free_port(), tmp_path / f"ray-server-{time.monotonic_ns()}.log"
-    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--model", str(model_dir), "--cache-dir", str(tmp_path)]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), *flags]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_USAGE_STATS_ENABLED": "0"}
-    with log.open("wb") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    server = Server(f"http://127.0.0.1:{port}", process, log)
-    try:
-        wait_healthy(server)
+    flags = ("--model", str(model_dir), "--cache-dir", str(tmp_path), *flags)
+    with serve_process(
+        flags,
+        tmp_path / f"ray-server-{time.monotonic_ns()}.log",
+        start_timeout_s=START_TIMEOUT_S,
+        ready=every_replica_up,
+        stop_signal=signal.SIGTERM,
+        grace_s=STOP_TIMEOUT_S,
+        env={"RAY_USAGE_STATS_ENABLED": "0"},
+    ) as server:
         yield server
-    finally:
-        _stop(process)
 
 
 def wait_healthy(server: Server, timeout_s: float = START_TIMEOUT_S, headers: dict[str, str] | None = None) -> None:
     """Until /health says ok with every replica up (a start, or a recovery after a replica died)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert server.process.poll() is None, server.log.read_text()
-        try:
-            health = httpx.get(server.base_url + "/health", timeout=5, headers=headers)
-            if health.status_code == 200 and health.json()["status"] == "ok":
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"the replicas did not all become healthy:\n{server.log.read_text()[-4000:]}")
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(process.pid, signal.SIGKILL)  # whatever of Ray's is left in the server's session
-    except ProcessLookupError:
-        pass
-    process.wait(timeout=30)
+    wait_ready(server, timeout_s, every_replica_up, headers)
 
 
 def per_replica(samples: Samples, name: str) -> dict[str, float]:

@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.api.server_process import free_port
 from tests.cluster.ray_server import serve_replicas, skip_unless_private_network
+from tokenmill.bench.servers import free_port
 
 pytestmark = [pytest.mark.ray, skip_unless_private_network()]
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import signal
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +14,7 @@ import httpx
 import openai
 import torch
 
-from tokenmill.bench.servers import ManagedServer, free_port, tokenmill_spec
+from tests.api.server_process import serve_process
 
 MODEL = "gemma-3-270m"
 START_TIMEOUT_S = 300  # the very first start converts the GGUF file, later ones only load the converted weights
@@ -30,10 +32,12 @@ class Server:
 
 
 def serve(extra_args: list[str], log_dir: Path) -> Iterator[Server]:
-    """The real server on the default model, as the benchmark starts it (a failed start raises with its log's tail)."""
-    with ManagedServer(tokenmill_spec(free_port(), None, extra_args), log_dir) as managed:
-        managed.start(START_TIMEOUT_S)
-        yield Server(managed.url)
+    """The real server on the default model and cache dir, stopped with SIGINT as a user stops it (a failed start
+    raises with its log's tail)."""
+    flags = ["--log-level", "warning", *extra_args]
+    log = log_dir / f"tokenmill-{time.monotonic_ns()}.log"
+    with serve_process(flags, log, start_timeout_s=START_TIMEOUT_S, stop_signal=signal.SIGINT, grace_s=15) as server:
+        yield Server(server.base_url)
 
 
 @dataclass
