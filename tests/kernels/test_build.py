@@ -154,6 +154,13 @@ def test_the_cache_key_covers_every_header_the_sources_include() -> None:
     assert "kernels.h" in included
 
 
+def test_every_kernel_file_is_compiled_and_in_the_cache_key() -> None:
+    """A .c file missing from SOURCES is never compiled (its functions absent from the library); a header missing from
+    HEADERS leaves the cache key blind to its changes, so a stale library would load."""
+    assert set(build.HERE.glob("*.c")) == set(build.SOURCES)
+    assert set(build.HERE.glob("*.h")) == set(build.HEADERS)
+
+
 def test_the_kernel_sources_ship_with_the_package() -> None:
     """tokenmill.kernels must be a package for setuptools to install it, with its .c and .h files as package data."""
     root = Path(build.__file__).parents[2]

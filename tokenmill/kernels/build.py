@@ -43,7 +43,12 @@ SOURCES = [
     for name in (
         "fused.c",
         "int8_matmul.c",
+        "gguf_quantize.c",
+        "gguf_repack.c",
+        "gguf_dot.c",
+        "gguf_amx.c",
         "gguf_matmul.c",
+        "gguf_greedy_row.c",
         "paged_attention.c",
         "argmax.c",
         "gelu.c",
@@ -52,7 +57,10 @@ SOURCES = [
     )
 ]
 KERNELS_H = HERE / "kernels.h"  # the prototypes and limits C and Python share
-HEADERS = [KERNELS_H, HERE / "bf16.h", HERE / "vec16.h", HERE / "avx512_common.h", HERE / "avx2_common.h"]
+HEADERS = [
+    HERE / name
+    for name in ("kernels.h", "bf16.h", "vec16.h", "avx512_common.h", "avx2_common.h", "gguf_packed.h", "gguf_lanes.h")
+]
 FLAGS = ["-O3", "-ffp-contract=off", "-fPIC", "-shared"]
 DIR_MODE = 0o700
 SLOWER = "the torch paths run instead, which are slower (see the README's Performance section)"

@@ -18,7 +18,7 @@
 /* int8_matmul's weight tiles: output columns per tile, and the multiple its input width must be (int8_matmul.c) */
 #define INT8_MATMUL_TILE 64
 #define INT8_MATMUL_K_MULTIPLE 32
-/* gguf_matmul's activation blocks: bytes per 32 inputs of a row quantised by gguf_quantize_rows (gguf_matmul.c) */
+/* gguf_matmul's activation blocks: bytes per 32 inputs of a row quantised by gguf_quantize_rows (gguf_quantize.c) */
 #define GGUF_XBLOCK_BYTES 48
 /* gguf_matmul's output columns per regrouped group: a tensor's parts regrouped one after another join up only where
  * each but the last fills whole groups */
@@ -57,7 +57,7 @@ int gguf_matmul_gated(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
 int gguf_matmul_logits(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, int type, const uint8_t *w,
                        int64_t n, float *out, int64_t ldo, int64_t *argmax, int32_t *finite, int threads);
 /* A single greedy row's LM head from its HIGH6 copy, exactly: the argmax and the exact values of the groups that can
- * hold it (and of `keep`), -inf elsewhere; 1 where it cannot answer and gguf_matmul_logits must (gguf_matmul.c) */
+ * hold it (and of `keep`), -inf elsewhere; 1 where it cannot answer and gguf_matmul_logits must (gguf_greedy_row.c) */
 int gguf_greedy_row(const uint16_t *x, int64_t k, const uint8_t *high6, const uint8_t *w, int64_t n,
                     const int64_t *keep, int64_t kept, float *out, int64_t *argmax, int threads);
 /* Whether gguf_matmul multiplies on AMX tiles (compiled in, granted by the OS, and wanted); enable 0 or 1 sets the

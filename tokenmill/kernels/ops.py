@@ -84,7 +84,7 @@ def int8_matmul_available() -> bool:
 
 
 def gguf_matmul_available() -> bool:
-    """AVX-512 (F, BW, VL, VNNI) or AVX2 + FMA, with F16C, and OpenMP (see gguf_matmul.c)."""
+    """AVX-512 (F, BW, VL, VNNI) or AVX2 + FMA, with F16C, and OpenMP (see gguf_packed.h)."""
     return _built("gguf_matmul")
 
 
@@ -293,7 +293,7 @@ def gguf_packed_empty(ggml_type: int, n: int, k: int) -> torch.Tensor:
 
 
 def gguf_repack(weight: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
-    """The file's (N, row bytes) blocks regrouped in 16-column groups for gguf_matmul (gguf_matmul.c says how;
+    """The file's (N, row bytes) blocks regrouped in 16-column groups for gguf_matmul (gguf_packed.h says how;
     about as many bytes per column), N padded to a multiple of 16."""
     out = gguf_packed_empty(ggml_type, weight.shape[0], k)
     gguf_repack_all([RepackJob(weight.contiguous(), ggml_type, k, out, 0)])
@@ -315,7 +315,7 @@ class RepackJob(NamedTuple):
 
 def gguf_repack_all(jobs: Sequence[RepackJob]) -> None:
     """Every job as gguf_repack does it, in one C call: no GIL is taken back between them, and each file-backed
-    weight's pages go as soon as it is regrouped (see gguf_repack_all in gguf_matmul.c)."""
+    weight's pages go as soon as it is regrouped (see gguf_repack_all in gguf_repack.c)."""
     for job in jobs:
         size = gguf_packed_bytes(job.ggml_type, job.weight.shape[0], job.k)
         if not job.weight.is_contiguous() or job.at < 0 or job.at + size > job.out.nbytes:
