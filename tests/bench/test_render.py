@@ -1,0 +1,141 @@
+"""docs/performance.md rendered from bench JSON: hand-made runs here, and the committed page against the committed runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tokenmill.bench import render
+
+ROOT = Path(__file__).resolve().parents[2]
+ZEN4 = {
+    "cpu": "AMD EPYC",
+    "vendor": "AuthenticAMD",
+    "family": 25,
+    "model": 17,
+    "microarch": "zen4",
+    "arch": "x86_64",
+    "cores": 2,
+    "isa": ["avx2", "avx512f", "avx512_vnni", "avx512_bf16"],
+    "kind": "amd-epyc-zen4-avx512-2c",
+}
+SPR = {
+    **ZEN4,
+    "cpu": "Intel(R) Xeon(R) Platinum 8488C",
+    "vendor": "GenuineIntel",
+    "microarch": "sapphirerapids",
+    "isa": [*ZEN4["isa"], "amx"],
+    "kind": "intel-xeon-platinum-8488c-sapphirerapids-amx-2c",
+}
+TOKENMILL = {"decode_tok_s": 62.2, "ttft_s": 0.045, "c16_agg_tok_s": 400.0, "peak_rss_mb": 900.0, "startup_s": 1.1}
+LLAMA_SERVER = {"decode_tok_s": 26.0, "ttft_s": 0.09, "c16_agg_tok_s": 200.0, "peak_rss_mb": 700.0}
+NOTE = "llama-server, round 1, 16 clients: 1 of 32 requests failed"
+IK_LLAMA = {"decode_tok_s": 31.1, "ttft_s": 0.06, "c16_agg_tok_s": 250.0, "peak_rss_mb": 720.0}
+
+
+def bench_run(machine: dict[str, Any], figures: dict[str, dict[str, float]], date: str, gb_s: float) -> dict[str, Any]:
+    command = "tokenmill bench --compare --peers " + " ".join(list(figures)[1:]) + " --rounds 2 --json docs/bench/"
+    peers = {name: {"version": f"version: 11434 ({name})", "build": None} for name in list(figures)[1:]}
+    meta = {
+        "command": command,
+        "argv": command.split(),
+        "date": date,
+        "tokenmill": {"version": "0.1.0", "commit": "0123456789abcdef" * 2 + "01234567", "dirty": False},
+        "machine": machine,
+        "peers": peers,
+        "model": "gemma-3-270m-q4_k_m.gguf",
+        "table_concurrency": [1, 4, 16],
+        "memory_read_gb_s": gb_s,
+    }
+    return {"meta": meta, "figures": figures, "notes": []}
+
+
+def write_runs(bench_dir: Path) -> None:
+    bench_dir.mkdir()
+    runs = {
+        "amd-epyc-zen4-avx512-2c--gemma-3-270m-q4-k-m.json": bench_run(
+            ZEN4,
+            {"tokenmill": TOKENMILL, "llama-server": LLAMA_SERVER, "ik-llama-server": IK_LLAMA},
+            "2026-12-01T10:00:00Z",
+            32.9,
+        ),
+        "intel-xeon-platinum-8488c-sapphirerapids-amx-2c--gemma-3-270m-q4-k-m.json": bench_run(
+            SPR, {"tokenmill": TOKENMILL, "llama-server": LLAMA_SERVER}, "2026-12-02T11:00:00Z", 18.4
+        ),
+    }
+    runs[next(name for name in runs if name.startswith("intel"))]["notes"] = [NOTE]
+    for name, results in runs.items():
+        (bench_dir / name).write_text(json.dumps(results))
+
+
+def cells(page: str, label: str) -> list[str]:
+    """The cells of the first table row whose figure is `label`."""
+    row = next(line for line in page.splitlines() if line.startswith(f"| {label} |"))
+    return [cell.strip() for cell in row.strip("|").split("|")]
+
+
+def test_each_machine_kind_gets_a_section_with_a_table_the_command_and_the_date(tmp_path: Path) -> None:
+    write_runs(tmp_path / "bench")
+    page = render.render(render.load_runs(tmp_path / "bench"))
+    amd, intel = page.index("## AMD EPYC (zen4), 2 cores"), page.index("## Intel(R) Xeon(R) Platinum 8488C")
+    assert page.startswith("# Performance") and 0 < amd < intel
+    assert "ISA: avx2, avx512f, avx512_vnni, avx512_bf16. Memory read bandwidth: 32.9 GB/s" in page
+    assert "ISA: avx2, avx512f, avx512_vnni, avx512_bf16, amx. Memory read bandwidth: 18.4 GB/s" in page
+    header = cells(page, "figure")
+    assert header == [
+        "figure",
+        *("unit", "tokenmill", "llama-server", "ik-llama-server"),
+        *("tokenmill ÷ llama-server", "tokenmill ÷ ik-llama-server"),
+    ]
+    assert cells(page, "single-stream decode") == [
+        "single-stream decode",
+        "tok/s",
+        "62.2",
+        "26.0",
+        "31.1",
+        "2.39×",
+        "2.00×",
+    ]
+    assert cells(page, "single-stream TTFT") == ["single-stream TTFT", "ms", "45", "90", "60", "0.50×", "0.75×"]
+    assert cells(page, "16 clients: aggregate")[2:] == ["400.0", "200.0", "250.0", "2.00×", "1.60×"]
+    assert cells(page, "start-up, cached")[2:] == ["1.10", "–", "–", "–", "–"]
+    assert "| 4 clients" not in page  # no run has 4-client figures
+    amd_part = page[amd:intel]
+    assert "`tokenmill bench --compare --peers llama-server ik-llama-server --rounds 2 --json docs/bench/`" in amd_part
+    assert "Run on 2026-12-01T10:00:00Z with tokenmill 0.1.0 at 0123456789ab." in amd_part
+    assert "- ik-llama-server: version: 11434 (ik-llama-server)" in amd_part
+    assert "2026-12-02T11:00:00Z" in page[intel:] and "ik-llama-server" not in page[intel:]
+    assert f"- {NOTE}" in page[intel:] and "Notes:" not in amd_part
+
+
+def test_the_command_line_writes_the_page_and_refuses_an_empty_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write_runs(tmp_path / "bench")
+    out = tmp_path / "performance.md"
+    assert render.main(["--bench-dir", str(tmp_path / "bench"), "--out", str(out)]) == 0
+    assert out.read_text() == render.render(render.load_runs(tmp_path / "bench"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit):
+        render.main(["--bench-dir", str(tmp_path / "empty"), "--out", str(tmp_path / "none.md")])
+    assert "no runs in" in capsys.readouterr().err and not (tmp_path / "none.md").exists()
+
+
+def test_a_run_written_before_meta_described_its_machine_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "old.json").write_text(json.dumps({"meta": {"command": "tokenmill bench"}, "figures": {}}))
+    with pytest.raises(ValueError, match="old.json"):
+        render.load_runs(tmp_path)
+
+
+def test_the_committed_page_is_what_the_committed_runs_render() -> None:
+    runs = render.load_runs(ROOT / render.BENCH_DIR)
+    if not runs:
+        pytest.skip("docs/bench/ holds no bench JSON yet: docs/performance.md is rendered once the first run is in")
+    page = ROOT / render.PAGE
+    assert page.is_file(), "docs/performance.md is missing: run `python -m tokenmill.bench.render`"
+    assert page.read_text() == render.render(runs), (
+        "docs/performance.md is stale: run `python -m tokenmill.bench.render`"
+    )

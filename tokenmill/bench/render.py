@@ -1,0 +1,143 @@
+"""`python -m tokenmill.bench.render`: docs/performance.md, rendered from the bench runs committed in docs/bench/.
+
+    tokenmill bench --compare --peers llama-server ik-llama-server --rounds 2 --json docs/bench/
+    python -m tokenmill.bench.render                      # reads docs/bench/*.json, writes docs/performance.md
+    python -m tokenmill.bench.render --bench-dir DIR --out FILE
+
+`--json` given a folder names the file after the machine's kind and the model, so a new run on the same kind of
+machine replaces the last one's file (git keeps the old figures). The page is one section per machine kind, one table
+per model in it, each with the exact command and date of its run; nothing on it is typed by hand, and a test checks
+that the committed page is what this module makes of the committed JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenmill.bench.report import format_value, ratios, rows
+
+BENCH_DIR = Path("docs") / "bench"
+PAGE = Path("docs") / "performance.md"
+INTRO = """\
+# Performance
+
+<!-- Rendered by `python -m tokenmill.bench.render` from docs/bench/*.json: change those, not this page. -->
+
+Each table is one `tokenmill bench --compare` run. tokenmill and each peer serve the same GGUF file and take the
+same requests, one server at a time while the others idle: greedy, with the end-of-sequence token banned, 128 tokens
+each (unless the command under the table sets `--max-tokens`). The figures are the single-stream decode speed and
+time to first token (TTFT); the aggregate speed, latency and TTFT at N concurrent clients; peak resident memory
+(RSS); and start-up times, the first on an empty cache directory. Each figure is the median over rounds that run the
+servers in turn (A B A B), so that the machine's drift between minutes falls on all of them alike. The ratio columns
+divide tokenmill's figure by the peer's: above 1 is better for tok/s, below 1 for times and memory.
+
+How to run it and what each figure means: [benchmarking](benchmarking.md).
+"""
+
+
+def load_runs(bench_dir: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(file name, results) of every run in `bench_dir`, by file name."""
+    runs = []
+    for path in sorted(bench_dir.glob("*.json")):
+        results = json.loads(path.read_text())
+        if "machine" not in results.get("meta", {}):
+            raise ValueError(f"{path}: its meta has no machine (written by an older tokenmill bench): run it again")
+        runs.append((path.name, results))
+    return runs
+
+
+def render(runs: Sequence[tuple[str, dict[str, Any]]]) -> str:
+    """The whole page: the intro, then per machine kind its heading and each of its runs."""
+    kinds: dict[str, list[dict[str, Any]]] = {}
+    for _, results in runs:
+        kinds.setdefault(results["meta"]["machine"]["kind"], []).append(results)
+    sections = [machine_section(kind_runs) for kind_runs in kinds.values()]
+    return "\n".join([INTRO, *sections]).rstrip("\n") + "\n"
+
+
+def machine_section(runs: Sequence[dict[str, Any]]) -> str:
+    machine = runs[0]["meta"]["machine"]
+    microarch = f" ({machine['microarch']})" if machine["microarch"] else ""
+    lines = [f"## {machine['cpu']}{microarch}, {machine['cores']} cores", "", machine_line(runs), ""]
+    for results in runs:
+        lines += [run_section(results), ""]
+    return "\n".join(lines)
+
+
+def machine_line(runs: Sequence[dict[str, Any]]) -> str:
+    machine = runs[0]["meta"]["machine"]
+    isa = ", ".join(machine["isa"]) or "none of avx2, avx512f, avx512_vnni, avx512_bf16, amx"
+    measured = [gb_s for r in runs if (gb_s := r["meta"].get("memory_read_gb_s")) is not None]
+    if not measured:
+        return f"ISA: {isa}. Memory read bandwidth: not measured."
+    return (
+        f"ISA: {isa}. Memory read bandwidth: {statistics.median(measured):.1f} GB/s (a float32 sum over 1 GiB on "
+        "every core, measured around each server's single-stream runs)."
+    )
+
+
+def run_section(results: dict[str, Any]) -> str:
+    meta = results["meta"]
+    lines = [f"### {meta['model'] or 'the server at --url'}", "", *table(results["figures"], meta), ""]
+    lines += [f"`{meta['command']}`", "", provenance(meta)]
+    if results.get("notes"):
+        lines += ["", "Notes:", "", *(f"- {note}" for note in results["notes"])]
+    return "\n".join(lines)
+
+
+def table(figures: dict[str, dict[str, float | None]], meta: dict[str, Any]) -> list[str]:
+    """One row per figure any system has: each system's value, then tokenmill ÷ each peer."""
+    ratio_table = ratios(figures)
+    header = ["figure", "unit", *figures, *(name.replace("/", " ÷ ") for name in ratio_table)]
+    lines = [_row(header), _row(["---", "---", *["---:"] * (len(header) - 2)])]
+    for key, label, unit in rows(meta["table_concurrency"]):
+        if all(system.get(key) is None for system in figures.values()):
+            continue
+        cells = [format_value(system.get(key), unit) for system in figures.values()]
+        cells += [_ratio(r.get(key)) for r in ratio_table.values()]
+        lines.append(_row([label, unit, *cells]))
+    return lines
+
+
+def provenance(meta: dict[str, Any]) -> str:
+    """When the run was made, with which tokenmill, and each peer's build."""
+    build = meta["tokenmill"]
+    commit = (
+        f" at {build['commit'][:12]}" + (" (with local changes)" if build["dirty"] else "") if build["commit"] else ""
+    )
+    lines = [f"Run on {meta['date']} with tokenmill {build['version']}{commit}."]
+    if meta["peers"]:
+        lines += ["", *(f"- {name}: {info['version'] or 'version unknown'}" for name, info in meta["peers"].items())]
+    return "\n".join(lines)
+
+
+def _row(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _ratio(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}×"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tokenmill.bench.render", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bench-dir", type=Path, default=BENCH_DIR, help="the runs' JSON files (default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=PAGE, help="the page to write (default: %(default)s)")
+    args = parser.parse_args(argv)
+    runs = load_runs(args.bench_dir)
+    if not runs:
+        parser.error(
+            f"no runs in {args.bench_dir}: write one with `tokenmill bench --compare --json {args.bench_dir}/`"
+        )
+    args.out.write_text(render(runs))
+    print(f"{args.out}: {len(runs)} runs from {args.bench_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
