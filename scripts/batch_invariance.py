@@ -27,10 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the requests 
 
 from tests.e2e.seeds_workload import GREEDY, SEEDED, fillers
 from tokenmill.config import Config
-from tokenmill.engine.build import load_engine_core
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.engine.sequence import Sequence
+from tokenmill.server.load import load_engine_core
 
 SPREADS = [0, 1, 3, 8, 20]  # a round's arrivals fall on steps 0..spread
 MAX_STEPS = 5000  # per round: far more than 16 requests of at most 32 tokens need

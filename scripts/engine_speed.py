@@ -25,9 +25,9 @@ from tokenmill.bench.busy import busy_process
 from tokenmill.bench.load import PROMPTS
 from tokenmill.config import Config
 from tokenmill.engine.core import EngineCore
-from tokenmill.engine.engine import AsyncEngine
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.kernels import ops
+from tokenmill.server.load import load_engine
 
 
 def main() -> None:
@@ -45,7 +45,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.no_amx:
         ops.gguf_amx(False)
-    engine = AsyncEngine.from_config(
+    engine = load_engine(
         Config(
             model=(args.model,) if args.model else (),
             dtype=args.dtype,

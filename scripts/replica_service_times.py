@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 from tokenmill.config import Config
 from tokenmill.engine.core import EngineCore
-from tokenmill.engine.engine import AsyncEngine
 from tokenmill.engine.sampling import SamplingParams
+from tokenmill.server.load import load_engine
 
 PROMPT = "The capital of France is"
 
@@ -34,7 +34,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="repeats of each timing (the median is kept)")
     args = parser.parse_args()
     config = Config(model=(args.model,) if args.model else (), threads=args.threads, max_num_batched_tokens=2048)
-    engine = AsyncEngine.from_config(config)
+    engine = load_engine(config)
     core = engine.core
     ban = {i: -100.0 for i in engine.tokenizer.eos_ids}
     prompt = engine.tokenizer.encode(PROMPT)

@@ -17,9 +17,9 @@ import time
 
 from tokenmill.config import Config
 from tokenmill.engine.core import EngineCore
-from tokenmill.engine.engine import AsyncEngine
 from tokenmill.engine.guided import GuidedState, json_schema_guide
 from tokenmill.engine.sampling import SamplingParams
+from tokenmill.server.load import load_engine
 
 SCHEMA = {"type": "object", "properties": {"story": {"type": "string", "minLength": 10_000}}, "required": ["story"]}
 
@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    engine = AsyncEngine.from_config(Config())
+    engine = load_engine(Config())
     core, tok = engine.core, engine.tokenizer
     prompt = tok.encode('Write a story as JSON: {"story": "')
     guide = json_schema_guide(SCHEMA)

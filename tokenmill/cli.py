@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import sys
 from typing import Any
 
@@ -35,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(config.log_level, config.log_format)
     try:
         if args.command == "serve":
-            return serve_forever(config)
+            return serve(config)
         if args.command == "complete":
             return asyncio.run(complete_once(config, args.prompt, args.max_tokens, args.temperature))
         return show_model(config)
@@ -46,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _start_errors() -> tuple[type[Exception], ...]:
     """Imported only when an exception is on its way out (the engine, and torch with it, load lazily)."""
-    from tokenmill.engine.build import ModelLoadError
     from tokenmill.engine.content_filter import ContentFilterError
+    from tokenmill.server.load import ModelLoadError
 
     return ModelLoadError, ContentFilterError
 
@@ -68,32 +67,13 @@ def run_bench(args: argparse.Namespace) -> int:
     return bench(args)
 
 
-def serve_forever(config: Config) -> int:
+def serve(config: Config) -> int:
+    """One process (tokenmill/server/), or replicas on Ray Serve."""
     if config.on_ray:
         return serve_replicas(config)
-    from tokenmill.engine.ahead import hash_models_ahead
+    from tokenmill.server.start import serve_forever
 
-    hash_models_ahead(config)  # first: the imports below hold the GIL for over a second, and hashing needs none
-    # Loading makes millions of objects (torch's import, a tokenizer's vocabulary and merges) and frees few of them:
-    # the cyclic collector's full passes over them found next to nothing and cost ~0.5 s of a start. It is back on
-    # once the models are loaded (freeze_loaded_objects); a start that fails exits.
-    gc.disable()
-    from tokenmill.api.app import create_app
-    from tokenmill.api.serve import serve
-    from tokenmill.engine.build import ModelLoadError
-    from tokenmill.engine.content_filter import ContentFilter
-    from tokenmill.engine.engine import AsyncEngine
-
-    if config.content_filter:  # a bad filter file fails the start before the models load
-        ContentFilter.from_file(config.content_filter)
-    engines = [AsyncEngine.from_config(one) for one in config.per_model()]
-    names = [engine.model_name for engine in engines]
-    if len(set(names)) < len(names):
-        raise ModelLoadError(
-            f"two models would be served as the same id ({', '.join(names)}): name them apart with"
-            " --served-model-name or NAME=PATH"
-        )
-    return serve(create_app(engines, config), config)
+    return serve_forever(config)
 
 
 def serve_replicas(config: Config) -> int:
@@ -107,10 +87,10 @@ def serve_replicas(config: Config) -> int:
 
 
 async def complete_once(config: Config, prompt: str, max_tokens: int, temperature: float) -> int:
-    from tokenmill.engine.engine import AsyncEngine
     from tokenmill.engine.sampling import SamplingParams
+    from tokenmill.server.load import load_engine
 
-    engine = AsyncEngine.from_config(config.per_model()[0])
+    engine = load_engine(config.per_model()[0])
     await engine.start()
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
     async for out in engine.generate("cli", engine.tokenizer.encode(prompt), params):
@@ -123,10 +103,10 @@ async def complete_once(config: Config, prompt: str, max_tokens: int, temperatur
 
 
 def show_model(config: Config) -> int:
-    from tokenmill.engine.engine import AsyncEngine
+    from tokenmill.server.load import load_engine
 
     for one in config.per_model():
-        engine = AsyncEngine.from_config(one)
+        engine = load_engine(one)
         print(
             f"model: {engine.model_name}\nmax_model_len: {engine.max_model_len}\n"
             f"system_fingerprint: {engine.system_fingerprint}\nkv blocks: {engine.core.blocks.num_blocks}"

@@ -212,7 +212,7 @@ class Config:
     @property
     def weight_quantization(self) -> str:
         """The quantisation asked for: the flag, else gguf for bfloat16 (the fast default) and none for float32.
-        `gguf` means int8 for a model that is not a GGUF file (engine/build.py decides, knowing the model)."""
+        `gguf` means int8 for a model that is not a GGUF file (server/load.py decides, knowing the model)."""
         if self.quantization is not None:
             return self.quantization
         return "gguf" if self.dtype == "bfloat16" else "none"

@@ -14,6 +14,7 @@ from tests.tiny_model import tiny_fim_tokenizer, write_tokenizer_files
 from tokenmill.api.app import create_app
 from tokenmill.config import Config
 from tokenmill.engine.engine import AsyncEngine
+from tokenmill.server.load import load_engine
 from tokenmill.tokenizer.fim import STYLES
 
 PREFIX, SUFFIX = "def hello(", "):\n    return world\n"
@@ -25,7 +26,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClien
     write_hf_model(directory, BY_NAME["llama"])
     write_tokenizer_files(directory, SIZES["max_position_embeddings"], tiny_fim_tokenizer(STYLES[0]))  # Qwen style
     config = Config(model=str(directory), cache_dir=str(directory / "cache"), dtype="float32", quantization="none")
-    engine = AsyncEngine.from_config(config)
+    engine = load_engine(config)
     with TestClient(create_app(engine, config)) as client:
         yield client, engine
 

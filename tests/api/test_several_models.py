@@ -19,7 +19,7 @@ from tests.model.families import BY_NAME, write_hf_model
 from tokenmill.api.app import create_app
 from tokenmill.cli import main
 from tokenmill.config import Config
-from tokenmill.engine.engine import AsyncEngine
+from tokenmill.server.load import load_engine
 
 
 @pytest.fixture
@@ -125,7 +125,7 @@ def test_two_real_models_serve_side_by_side_each_with_its_own_cache(two_dirs: tu
         dtype="float32",
         quantization="none",
     )
-    engines = [AsyncEngine.from_config(one) for one in config.per_model()]
+    engines = [load_engine(one) for one in config.per_model()]
     assert [e.model_name for e in engines] == ["llama-dir", "coder"]
     # the shared 3 MiB split 2:1 (each model's blocks sized from its own share and its own bytes per block)
     assert [one.kv_cache_mb for one in config.per_model()] == [2, 1]

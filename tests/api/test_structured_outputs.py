@@ -25,8 +25,8 @@ from tests.model.families import BY_NAME, write_hf_model
 from tokenmill.api.app import create_app
 from tokenmill.config import Config
 from tokenmill.engine import guided
-from tokenmill.engine.engine import AsyncEngine
 from tokenmill.engine.guided import GuideError
+from tokenmill.server.load import load_engine
 
 SCHEMA = {
     "type": "object",
@@ -41,7 +41,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClien
     directory: Path = tmp_path_factory.mktemp("structured")
     write_hf_model(directory, BY_NAME["llama"])
     config = Config(model=str(directory), cache_dir=str(directory / "cache"), dtype="float32", quantization="none")
-    engine = AsyncEngine.from_config(config)
+    engine = load_engine(config)
     with TestClient(create_app(engine, config)) as client:
         yield client, engine.model_name
 
@@ -139,7 +139,7 @@ def test_with_best_of_and_stop(served: tuple[TestClient, str]) -> None:
 def test_the_openai_client_sends_them_through_extra_body(tmp_path: Path) -> None:
     write_hf_model(tmp_path, BY_NAME["llama"])
     config = Config(model=str(tmp_path), cache_dir=str(tmp_path / "cache"), dtype="float32", quantization="none")
-    engine = AsyncEngine.from_config(config)
+    engine = load_engine(config)
     app = create_app(engine, config)
 
     async def use(client: openai.AsyncOpenAI) -> Any:

@@ -75,6 +75,9 @@ def test_the_single_process_server_never_imports_ray() -> None:
         "from tokenmill.cli import main\n"
         "from tokenmill.api.app import create_app\n"
         "from tokenmill.engine.engine import AsyncEngine\n"
+        "from tokenmill.server.load import load_engine\n"
+        "from tokenmill.server.start import serve_forever\n"
+        "from tokenmill.server.http_server import serve\n"
         "assert not [m for m in sys.modules if m == 'ray' or m.startswith('ray.')], 'ray was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -12,10 +12,10 @@ from tests.engine.tiny import poison_hidden, run_all
 from tests.model.gguf_blocks import MIXED
 from tests.tiny_model import write_tiny_gguf
 from tokenmill.config import Config
-from tokenmill.engine.build import load_engine_core
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.kernels import ops
+from tokenmill.server.load import load_engine_core
 
 pytestmark = pytest.mark.skipif(not ops.gguf_matmul_available(), reason="the GGUF kernel is not built here")
 

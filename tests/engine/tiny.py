@@ -11,7 +11,6 @@ from collections.abc import Callable
 import torch
 
 from tokenmill.config import Config
-from tokenmill.engine.build import build_engine_core
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.sampling import SamplingParams
@@ -19,6 +18,7 @@ from tokenmill.engine.scheduler import Scheduled
 from tokenmill.engine.sequence import Sequence
 from tokenmill.model.gemma3 import Gemma3ForCausalLM
 from tokenmill.model.model_config import ModelConfig
+from tokenmill.server.engine_core import build_engine_core
 
 NUM_SPECIAL = 4  # 0 <pad>, 1 <eos>, 2 <bos>, 3 <unk>; then one token per byte
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]

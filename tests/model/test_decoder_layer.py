@@ -16,7 +16,6 @@ from tests.model.families import BY_NAME, write_gguf, write_hf_model
 from tests.model.gguf_blocks import IDS, MIXED, native_model
 from tests.tiny_model import tiny_tokenizer, write_tiny_gguf
 from tokenmill.config import Config
-from tokenmill.engine.build import build_engine_core, describe
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.sampling import SamplingParams
@@ -24,6 +23,8 @@ from tokenmill.kernels import ops
 from tokenmill.model.c_layer import LayerStack
 from tokenmill.model.gemma3 import Gemma3DecoderLayer
 from tokenmill.model.llama import LlamaDecoderLayer
+from tokenmill.server.description import describe
+from tokenmill.server.engine_core import build_engine_core
 
 pytestmark = pytest.mark.skipif(
     ops.library() is None or not ops.decoder_layer_available(), reason="the C decoder layer is not built here"

@@ -15,11 +15,11 @@ from tests.model.families import BY_NAME, FAMILIES, LONGROPE_ORIGINAL, SIZES, Fa
 from tests.tokenizer.reference import TEXTS, assert_same_as_transformers
 from tokenmill.api.app import create_app
 from tokenmill.config import Config
-from tokenmill.engine.engine import AsyncEngine
 from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.linear import prepare_linears
 from tokenmill.model.loading.loader import load_model_files
 from tokenmill.model.registry import build_model
+from tokenmill.server.load import load_engine
 
 IDS = torch.randint(3, SIZES["vocab_size"], (24,), generator=torch.Generator().manual_seed(1))  # < LONGROPE_ORIGINAL
 NAMES = [f.name for f in FAMILIES]
@@ -95,7 +95,7 @@ def test_greedy_completion_over_http_equals_transformers_generate(files: Files) 
         logits = reference(torch.tensor([prompt + generated])).logits[0, len(prompt) - 1 : -1]
     expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(generated)[:, None])[:, 0]
     config = Config(model=str(files.directory), cache_dir=str(files.cache), dtype="float32", quantization="none")
-    engine = AsyncEngine.from_config(config)
+    engine = load_engine(config)
     with TestClient(create_app(engine, config)) as client:
         response = client.post(
             "/v1/completions",

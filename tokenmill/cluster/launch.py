@@ -20,11 +20,11 @@ import threading
 import ray
 from ray import serve
 
-from tokenmill.api.banner import log_banner, url_of
 from tokenmill.cluster.app import APP_NAME, build_app, engine_name, most_replicas, replica_threads, target_replicas
 from tokenmill.cluster.remote_engine import RemoteEngine
 from tokenmill.config import Config
 from tokenmill.engine.content_filter import ContentFilter
+from tokenmill.server.banner import log_banner, url_of
 
 log = logging.getLogger(__name__)
 

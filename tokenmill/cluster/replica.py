@@ -23,11 +23,11 @@ from ray import serve
 
 from tokenmill.api.logs import configure_logging
 from tokenmill.config import Config
-from tokenmill.engine.build import freeze_loaded_objects
 from tokenmill.engine.core import EngineStats
-from tokenmill.engine.engine import AsyncEngine
 from tokenmill.engine.outputs import EngineDescription, RequestOutput, StepReport
 from tokenmill.engine.sampling import SamplingParams
+from tokenmill.server.freeze import freeze_loaded_objects
+from tokenmill.server.load import load_engine
 from tokenmill.tokenizer import Tokenizer
 
 MAX_UNREAD_STEPS = 65_536  # steps kept for the next snapshot; a replica nobody scrapes drops its oldest
@@ -83,7 +83,7 @@ class EngineReplica:
     async def __init__(self, config: Config) -> None:  # type: ignore[misc]  # Ray Serve awaits an async constructor
         configure_logging(config.log_level, config.log_format)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.engine = AsyncEngine.from_config(config)
+        self.engine = load_engine(config)
         freeze_loaded_objects()  # no full collection walks the loaded model's objects again
         self.steps = StepLog()
         self.engine.add_step_observer(self.steps.observe)

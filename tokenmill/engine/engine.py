@@ -17,8 +17,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from tokenmill.config import Config
-from tokenmill.engine.build import load_engine_core
 from tokenmill.engine.core import EngineCore, EngineStats
 from tokenmill.engine.outputs import EngineDescription, RequestOutput, StepReport
 from tokenmill.engine.sampling import SamplingParams
@@ -31,7 +29,8 @@ T = TypeVar("T")
 ENGINE_STOPPED = "the engine is not running"
 
 
-def _engine_thread() -> ThreadPoolExecutor:
+def engine_thread() -> ThreadPoolExecutor:
+    """The thread an engine's step loop runs on (and its model is loaded on, server/load.py)."""
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-engine")
 
 
@@ -107,18 +106,7 @@ class AsyncEngine:
         self._ended = False  # set on the event loop once the step loop has ended and its waiters were failed
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Future[None] | None = None
-        self._executor = executor or _engine_thread()
-
-    @classmethod
-    def from_config(cls, config: Config) -> AsyncEngine:
-        """Loads (or converts and caches) the model named by the config and builds the engine around it.
-
-        The loading runs on the engine's own thread, the one that will run every step: torch work from a second thread
-        gets OpenMP thread teams of its own, and two teams contending for the same cores slow every decode step down.
-        """
-        executor = _engine_thread()
-        loaded = executor.submit(load_engine_core, config).result()
-        return cls(loaded.core, loaded.model_name, loaded.system_fingerprint, executor, loaded.description)
+        self._executor = executor or engine_thread()
 
     def run_in_engine_thread(self, fn: Callable[[], T]) -> T:
         """Run fn on the engine's thread and wait (in-process tools; never while the step loop is running)."""

@@ -1,4 +1,4 @@
-"""A model file's identity: its SHA-256, remembered, and begun ahead by a start (identity.py, engine/ahead.py)."""
+"""A model file's identity: its SHA-256, remembered, and begun ahead of the load (identity.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.config import Config
-from tokenmill.engine import ahead
-from tokenmill.engine.ahead import hash_models_ahead
 from tokenmill.model.loading import identity
 
 
@@ -62,16 +59,3 @@ def test_a_hash_begun_ahead_is_taken_not_begun_again(tmp_path: Path, monkeypatch
 def test_a_missing_file_begins_nothing(tmp_path: Path) -> None:
     identity.hash_ahead(tmp_path / "absent.gguf", tmp_path / "cache")
     assert identity._ahead == {}
-
-
-def test_serve_begins_hashing_each_models_files_before_loading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    begun: list[Path] = []
-    monkeypatch.setattr(ahead, "hash_ahead", lambda path, root: begun.append(path))
-    gguf = tmp_path / "a.gguf"
-    gguf.write_bytes(b"x")
-    hf = tmp_path / "hf"
-    hf.mkdir()
-    for name in ("model-00002.safetensors", "model-00001.safetensors", "config.json"):
-        (hf / name).write_bytes(b"{}")
-    hash_models_ahead(Config(model=[f"a={gguf}", f"b={hf}"], cache_dir=str(tmp_path / "cache")))
-    assert begun == [gguf, hf / "model-00001.safetensors", hf / "model-00002.safetensors"]

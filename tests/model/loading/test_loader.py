@@ -177,6 +177,7 @@ def test_a_quantised_start_caches_its_prepared_weights_and_the_next_start_comput
     from tokenmill.engine.engine import AsyncEngine
     from tokenmill.kernels import ops
     from tokenmill.model.linear import Int8Embedding, Int8Linear, TiledInt8Linear
+    from tokenmill.server.load import load_engine
 
     path = str(write_tiny_gguf(tmp_path / "tiny.gguf"))
     head_kind, head_key = (TiledInt8Linear, "tiles") if ops.int8_matmul_available() else (Int8Linear, "qweight")
@@ -190,14 +191,14 @@ def test_a_quantised_start_caches_its_prepared_weights_and_the_next_start_comput
     (entry,) = tmp_path.glob("gguf-*")
     stale = entry / "prepared-v1.bfloat16-int8.safetensors"  # an earlier version's layout
     stale.write_bytes(b"never read again")
-    first = AsyncEngine.from_config(config)
+    first = load_engine(config)
     assert not stale.exists()
     (prepared,) = tmp_path.glob("gguf-*/prepared-v*.bfloat16-int8-*.safetensors")
     assert not load_model_files(path, str(tmp_path), torch.bfloat16).prepared  # other modes keep their own files
     reloaded = load_model_files(path, str(tmp_path), torch.bfloat16, "int8")
     assert reloaded.prepared and f"lm_head.{head_key}" in reloaded.state_dict
     assert "model.embed_tokens.weight" not in reloaded.state_dict  # lookups read the int8 head
-    second = AsyncEngine.from_config(config)
+    second = load_engine(config)
     model = second.core.runner.model
     assert isinstance(model.lm_head, head_kind) and isinstance(model.model.embed_tokens, Int8Embedding)
     assert torch.equal(logits(first), logits(second))

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from tokenmill.config import Config
-from tokenmill.engine import build
-from tokenmill.engine.build import system_fingerprint
+from tokenmill.server import fingerprint
+from tokenmill.server.fingerprint import system_fingerprint
 
 SOURCE = "a" * 64
 OUTPUT_FIELDS = {"dtype", "quantization"}
@@ -53,7 +53,7 @@ def test_quantisation_modes_are_told_apart() -> None:
 
 def test_a_new_version_changes_the_fingerprint(monkeypatch: pytest.MonkeyPatch) -> None:
     before = system_fingerprint(SOURCE, Config())
-    monkeypatch.setattr(build, "__version__", "99.0.0")
+    monkeypatch.setattr(fingerprint, "__version__", "99.0.0")
     assert system_fingerprint(SOURCE, Config()) != before
 
 

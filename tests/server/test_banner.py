@@ -18,12 +18,12 @@ from tests.api.server_process import serve
 from tests.model.families import BY_NAME, write_gguf, write_hf_model
 from tests.model.gguf_blocks import MIXED
 from tests.tiny_model import write_tiny_gguf
-from tokenmill.api.banner import banner, url_of
 from tokenmill.config import Config
-from tokenmill.engine.build import load_engine_core
 from tokenmill.engine.engine import AsyncEngine
 from tokenmill.engine.outputs import EngineDescription
 from tokenmill.kernels import ops
+from tokenmill.server.banner import banner, url_of
+from tokenmill.server.load import load_engine_core
 
 DESCRIPTION = EngineDescription("bfloat16", "gguf", 4096, ("fused", "gguf_matmul"))
 KEY = "sk-banner-secret"

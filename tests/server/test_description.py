@@ -1,13 +1,10 @@
-"""What engine/build.py says of the engine it built (the description the start-up banner shows), and what a server
-does with the objects loading left."""
+"""What server/description.py says of the engine it built: the dtype, quantisation, KV capacity and C kernels the
+start-up banner shows, the kernels as the model and the sampler report them."""
 
 from __future__ import annotations
 
-import gc
-import weakref
 from pathlib import Path
 
-import pytest
 import torch
 
 from tests import tiny_model
@@ -15,8 +12,9 @@ from tests.engine import tiny
 from tests.engine.tiny import ByteTokenizer, tiny_core
 from tests.model.gguf_blocks import MIXED, native_model
 from tokenmill.config import Config
-from tokenmill.engine.build import ModelLoadError, build_engine_core, describe, freeze_loaded_objects, load_engine_core
 from tokenmill.kernels import ops
+from tokenmill.server.description import describe
+from tokenmill.server.engine_core import build_engine_core
 
 BF16_ONLY = {"fused", "paged_attention", "gelu_mul", "silu_mul", "int8_matmul", "gguf_matmul", "gguf_amx"}
 SMALL = {"block_size": 4, "num_kv_blocks": 32}
@@ -68,41 +66,3 @@ def test_the_banner_leaves_amx_out_when_it_is_not_wanted(tmp_path: Path) -> None
         assert "gguf_amx" not in _gguf_kernels(tmp_path)
     finally:
         ops.gguf_amx(was)
-
-
-def test_freezing_after_loading_keeps_live_objects_out_of_collections_and_collects_garbage_first() -> None:
-    class Node:
-        other: object = None
-
-    alive, garbage = Node(), Node()
-    garbage.other = garbage  # a cycle: only the collector frees it
-    dead = weakref.ref(garbage)
-    del garbage
-    try:
-        freeze_loaded_objects()
-        assert dead() is None  # collected first, not frozen
-        assert gc.get_freeze_count() > 0
-        assert not any(obj is alive for obj in gc.get_objects())  # in no generation a collection walks
-    finally:
-        gc.unfreeze()
-
-
-def test_the_collector_a_start_turned_off_while_loading_is_on_again_once_the_objects_are_frozen() -> None:
-    gc.disable()  # as cli.serve_forever does before the imports and the load
-    try:
-        freeze_loaded_objects()
-        assert gc.isenabled()
-    finally:
-        gc.enable()
-        gc.unfreeze()
-
-
-def test_a_gguf_vocabulary_no_builder_takes_fails_the_load_with_its_reason(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The tokenizer is built on a thread while the weights are regrouped; its error still fails the load as one."""
-    meta = tiny_model.tiny_gguf_metadata()
-    monkeypatch.setattr(tiny_model, "tiny_gguf_metadata", lambda: {**meta, "tokenizer.ggml.model": "bert"})
-    path = tiny_model.write_tiny_gguf(tmp_path / "bert.gguf", quantize=True)
-    with pytest.raises(ModelLoadError, match="unsupported GGUF tokenizer model 'bert'"):
-        load_engine_core(Config(model=str(path), cache_dir=str(tmp_path / "cache")))

@@ -18,9 +18,9 @@ import pytest
 from tests.api.api_helpers import parse_sse
 from tests.api.fake_engine import FakeEngine
 from tests.api.server_process import Server, serve
-from tokenmill.api import serve as serve_module
 from tokenmill.api.app import create_app
 from tokenmill.config import Config
+from tokenmill.server import http_server
 
 NO_EOS = {"1": -100}  # the tiny tokenizer's <eos>: these requests run to max_tokens
 
@@ -159,10 +159,10 @@ def test_ctrl_c_stops_the_server_with_exit_0_and_no_traceback(tiny_model_dir: Pa
 
 def test_serve_freezes_what_loading_left_before_the_server_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     frozen_when_run: list[int] = []
-    monkeypatch.setattr(serve_module.DrainingServer, "run", lambda self: frozen_when_run.append(gc.get_freeze_count()))
-    monkeypatch.setattr(serve_module.prometheus_client, "disable_created_metrics", lambda: None)  # process-wide
+    monkeypatch.setattr(http_server.DrainingServer, "run", lambda self: frozen_when_run.append(gc.get_freeze_count()))
+    monkeypatch.setattr(http_server.prometheus_client, "disable_created_metrics", lambda: None)  # process-wide
     try:
-        assert serve_module.serve(create_app(FakeEngine(), Config()), Config()) == 0
+        assert http_server.serve(create_app(FakeEngine(), Config()), Config()) == 0
         assert frozen_when_run and frozen_when_run[0] > 0
     finally:
         gc.unfreeze()

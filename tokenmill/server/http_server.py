@@ -25,9 +25,9 @@ from fastapi import FastAPI
 
 from tokenmill.api.admission import Admission
 from tokenmill.api.app import stop_engines
-from tokenmill.api.banner import log_banner, url_of
 from tokenmill.config import Config
-from tokenmill.engine.build import freeze_loaded_objects
+from tokenmill.server.banner import log_banner, url_of
+from tokenmill.server.freeze import freeze_loaded_objects
 
 log = logging.getLogger(__name__)
 

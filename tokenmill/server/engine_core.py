@@ -1,0 +1,31 @@
+"""From a model and its tokenizer to an EngineCore: the linears prepared, the KV cache sized from the config, and
+the core's parts (block manager, scheduler, model runner) wired together."""
+
+from __future__ import annotations
+
+from tokenmill.config import Config
+from tokenmill.engine.core import EngineCore
+from tokenmill.engine.kv_cache import BlockManager, kv_bytes_per_token
+from tokenmill.engine.runner import ModelRunner
+from tokenmill.engine.scheduler import Scheduler
+from tokenmill.model.causal_lm import CausalLM
+from tokenmill.model.linear import prepare_linears
+from tokenmill.tokenizer import Tokenizer
+
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+def build_engine_core(model: CausalLM, tokenizer: Tokenizer, config: Config) -> EngineCore:
+    """Sizes the KV cache from the config and wires the core's parts together (the model's linears are swapped)."""
+    prepare_linears(model, config.weight_quantization)
+    cfg = model.config
+    dtype = next(model.parameters()).dtype
+    block_bytes = kv_bytes_per_token(cfg, dtype) * config.block_size
+    num_blocks = config.num_kv_blocks or max((config.kv_cache_mb << 20) // block_bytes, 1)
+    capacity = num_blocks * config.block_size
+    model_len = cfg.max_position_embeddings
+    max_model_len = min(config.max_model_len or min(model_len, DEFAULT_MAX_MODEL_LEN), model_len, capacity)
+    blocks = BlockManager(num_blocks, config.block_size)
+    scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens, config.max_num_prefills)
+    runner = ModelRunner(model, cfg, num_blocks, config.block_size)
+    return EngineCore(runner, tokenizer, blocks, scheduler, set(tokenizer.eos_ids), max_model_len)
