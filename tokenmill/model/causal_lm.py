@@ -1,8 +1,9 @@
 """What every decoder-only architecture shares: the layer loop, the LM head, and a one-sequence dense forward.
 
-An architecture supplies its decoder layer, the rotary embedding each layer uses (`layer_ropes`) and, where it has
-one, a change to the embeddings (`embed`: Gemma's scale). Parameter names follow Hugging Face (`model.embed_tokens`,
-`model.layers.N`, `model.norm`, `lm_head`) so checkpoints load as they are.
+An architecture supplies its decoder layer, the rotary embedding each layer uses (`layer_ropes`; SingleRopeCausalLM's
+where every layer uses one) and, where it has one, a change to the embeddings (`embed`: Gemma's scale). Parameter
+names follow Hugging Face (`model.embed_tokens`, `model.layers.N`, `model.norm`, `lm_head`) so checkpoints load as
+they are.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from tokenmill.kernels import ops
 from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.c_layer import CLayer, LayerStack
 from tokenmill.model.gguf_linear import GgufLinear
-from tokenmill.model.layers import RMSNorm
+from tokenmill.model.layers import RMSNorm, Rotary
 from tokenmill.model.linear import TiledInt8Linear, chunked_linear, float32_product
 from tokenmill.model.model_config import ModelConfig
 
@@ -170,6 +171,26 @@ class CausalLM(nn.Module):
         caches = empty_kv_caches(self.config, t, self.model.norm.weight.dtype)
         hidden = self.forward(input_ids, torch.arange(t), caches, dense_metadata(t))
         return self.compute_logits(hidden)
+
+
+class SingleRopeModel(DecoderModel):
+    """A DecoderModel whose layers all rotate by one base, `rope`, as the config gives it (the Llama family,
+    StarCoder2)."""
+
+    def __init__(
+        self, cfg: ModelConfig, make_layer: Callable[[ModelConfig, int], nn.Module], norm_offset: float
+    ) -> None:
+        super().__init__(cfg, make_layer, norm_offset)
+        self.rope = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_factor, cfg.rope)
+
+
+class SingleRopeCausalLM(CausalLM):
+    """A CausalLM over a SingleRopeModel: every layer gets the one rotary, computed once per forward."""
+
+    model: SingleRopeModel
+
+    def layer_ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> list[Rope]:
+        return [self.model.rope(positions, dtype)] * len(self.model.layers)
 
 
 def empty_kv_caches(cfg: ModelConfig, num_slots: int, dtype: torch.dtype) -> list[KVCache]:

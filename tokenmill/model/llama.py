@@ -16,8 +16,8 @@ from torch import nn
 from tokenmill.kernels import ops
 from tokenmill.model.attention import AttentionMetadata, paged_attention
 from tokenmill.model.c_layer import CLayer, layer_plan, plannable
-from tokenmill.model.causal_lm import CausalLM, DecoderModel, KVCache, Rope
-from tokenmill.model.layers import RMSNorm, Rotary, apply_rotary, silu_mul
+from tokenmill.model.causal_lm import KVCache, Rope, SingleRopeCausalLM, SingleRopeModel
+from tokenmill.model.layers import RMSNorm, apply_rotary, silu_mul
 from tokenmill.model.model_config import ModelConfig
 
 
@@ -107,13 +107,12 @@ class LlamaDecoderLayer(CLayer, nn.Module):
         return int(self._qkv_bias.data_ptr())
 
 
-class LlamaModel(DecoderModel):
+class LlamaModel(SingleRopeModel):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg, LlamaDecoderLayer, norm_offset=0.0)
-        self.rope = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_factor, cfg.rope)
 
 
-class LlamaForCausalLM(CausalLM):
+class LlamaForCausalLM(SingleRopeCausalLM):
     STACKED_PROJECTIONS: ClassVar[dict[str, tuple[str, ...]]] = {
         "qkv_proj": ("q_proj", "k_proj", "v_proj"),
         "gate_up_proj": ("gate_proj", "up_proj"),
@@ -125,6 +124,3 @@ class LlamaForCausalLM(CausalLM):
         super().__init__(cfg)
         self.model = LlamaModel(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-
-    def layer_ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> list[Rope]:
-        return [self.model.rope(positions, dtype)] * len(self.model.layers)  # every layer: the one base

@@ -14,8 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.model.attention import AttentionMetadata
-from tokenmill.model.causal_lm import CausalLM, DecoderModel, KVCache, Rope
-from tokenmill.model.layers import Rotary
+from tokenmill.model.causal_lm import KVCache, Rope, SingleRopeCausalLM, SingleRopeModel
 from tokenmill.model.llama import LlamaAttention, biased
 from tokenmill.model.model_config import ModelConfig
 
@@ -59,14 +58,13 @@ class LayerNorm(nn.LayerNorm):
         )
 
 
-class Starcoder2Model(DecoderModel):
+class Starcoder2Model(SingleRopeModel):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg, Starcoder2DecoderLayer, norm_offset=0.0)
         self.norm = LayerNorm(cfg.hidden_size, cfg.rms_norm_eps)  # type: ignore[assignment]
-        self.rope = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_factor, cfg.rope)
 
 
-class Starcoder2ForCausalLM(CausalLM):
+class Starcoder2ForCausalLM(SingleRopeCausalLM):
     STACKED_PROJECTIONS: ClassVar[dict[str, tuple[str, ...]]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
     model: Starcoder2Model
 
@@ -74,6 +72,3 @@ class Starcoder2ForCausalLM(CausalLM):
         super().__init__(cfg)
         self.model = Starcoder2Model(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-
-    def layer_ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> list[Rope]:
-        return [self.model.rope(positions, dtype)] * len(self.model.layers)
