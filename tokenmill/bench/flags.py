@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from tokenmill.bench.ik_llama import ENV as IK_LLAMA_ENV
 from tokenmill.bench.llama_server import SOURCE_VERSION
 from tokenmill.bench.servers import PEER_VERSION, cpu_cores
 from tokenmill.bench.synthetic import SHAPES
 
-PEERS = ("llama-server", "llama-cpp-python")
+PEERS = ("llama-server", "llama-cpp-python")  # what --compare starts by default
+ALL_PEERS = (*PEERS, "ik-llama-server")  # ik-llama-server only when asked for: a binary built by hand
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,10 +25,11 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     what.add_argument(
         "--peers",
         nargs="+",
-        choices=PEERS,
+        choices=ALL_PEERS,
         default=list(PEERS),
-        help="the peers --compare starts: llama.cpp's own llama-server (batches across its slots) and "
-        "llama-cpp-python's server (one request at a time); default: both",
+        help="the peers --compare starts: llama.cpp's own llama-server (batches across its slots), "
+        "llama-cpp-python's server (one request at a time), and ik_llama.cpp's server (a CPU-tuned fork of "
+        "llama.cpp, built by hand: --ik-llama-server); default: the first two",
     )
     what.add_argument(
         "--transformers",
@@ -87,6 +90,14 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         "--llama-server-ctx", type=positive_int, default=4096, help="context per llama-server slot (--ctx-size / slots)"
     )
     servers.add_argument("--llama-server-args", default="", help="more llama-server flags, as one quoted string")
+    servers.add_argument(
+        "--ik-llama-server",
+        type=Path,
+        metavar="PATH",
+        help=f"ik_llama.cpp's llama-server binary, built from its sources (default: ${IK_LLAMA_ENV}); started with "
+        "llama-server's flags (--llama-server-slots, --llama-server-ctx) plus -rtr -fa",
+    )
+    servers.add_argument("--ik-llama-server-args", default="", help="more ik-llama-server flags, as one quoted string")
     servers.add_argument(
         "--peer-venv",
         type=Path,

