@@ -115,13 +115,33 @@ def test_the_command_line_writes_the_page_and_refuses_an_empty_folder(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     write_runs(tmp_path / "bench")
-    out = tmp_path / "performance.md"
-    assert render.main(["--bench-dir", str(tmp_path / "bench"), "--out", str(out)]) == 0
-    assert out.read_text() == render.render(render.load_runs(tmp_path / "bench"))
+    out, readme = tmp_path / "performance.md", tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{render.BEGIN}\nold figures\n{render.END}\n\nmore\n")
+    assert render.main(["--bench-dir", str(tmp_path / "bench"), "--out", str(out), "--readme", str(readme)]) == 0
+    runs = render.load_runs(tmp_path / "bench")
+    assert out.read_text() == render.render(runs)
+    assert readme.read_text() == f"# x\n\n{render.BEGIN}\n{render.summary(runs)}\n{render.END}\n\nmore\n"
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit):
-        render.main(["--bench-dir", str(tmp_path / "empty"), "--out", str(tmp_path / "none.md")])
+        render.main(
+            ["--bench-dir", str(tmp_path / "empty"), "--out", str(tmp_path / "none.md"), "--readme", str(readme)]
+        )
     assert "no runs in" in capsys.readouterr().err and not (tmp_path / "none.md").exists()
+
+
+def test_the_readme_table_puts_each_peer_s_headline_ratios_first(tmp_path: Path) -> None:
+    write_runs(tmp_path / "bench")
+    table = render.summary(render.load_runs(tmp_path / "bench")).splitlines()
+    assert table[0] == "| machine | model | against | single stream | 16 clients | TTFT p50, 16 clients |"
+    zen4_llama = next(line for line in table if "zen4" in line and "| llama-server |" in line)
+    assert "**2.39×** (62.2 vs 26.0 tok/s)" in zen4_llama and "**2.00×** (400.0 vs 200.0 tok/s)" in zen4_llama
+    assert zen4_llama.endswith("| – |")  # neither has a 16-client TTFT
+    assert len(table) == 2 + 3  # the AMD run against two peers, the Intel run against one
+
+
+def test_the_readme_must_have_its_figure_lines() -> None:
+    with pytest.raises(ValueError, match="figures:begin"):
+        render.with_summary("# a README without markers\n", "| table |")
 
 
 def test_a_run_written_before_meta_described_its_machine_is_refused(tmp_path: Path) -> None:
@@ -138,4 +158,8 @@ def test_the_committed_page_is_what_the_committed_runs_render() -> None:
     assert page.is_file(), "docs/performance.md is missing: run `python -m tokenmill.bench.render`"
     assert page.read_text() == render.render(runs), (
         "docs/performance.md is stale: run `python -m tokenmill.bench.render`"
+    )
+    readme = (ROOT / render.README).read_text()
+    assert readme == render.with_summary(readme, render.summary(runs)), (
+        "README.md's figures are stale: run `python -m tokenmill.bench.render`"
     )

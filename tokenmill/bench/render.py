@@ -2,12 +2,13 @@
 
     tokenmill bench --compare --peers llama-server ik-llama-server --rounds 2 --json docs/bench/
     python -m tokenmill.bench.render                      # reads docs/bench/*.json, writes docs/performance.md
-    python -m tokenmill.bench.render --bench-dir DIR --out FILE
+    python -m tokenmill.bench.render --bench-dir DIR --out FILE --readme README.md
 
 `--json` given a folder names the file after the machine's kind and the model, so a new run on the same kind of
 machine replaces the last one's file (git keeps the old figures). The page is one section per machine kind, one table
 per model in it, each with the exact command and date of its run; nothing on it is typed by hand, and a test checks
-that the committed page is what this module makes of the committed JSON.
+that the committed page is what this module makes of the committed JSON. The README's short table (between its
+`<!-- figures:begin -->` and `<!-- figures:end -->` lines) is rendered from the same runs: the headline ratios.
 """
 
 from __future__ import annotations
@@ -23,6 +24,14 @@ from tokenmill.bench.report import format_value, ratios, rows
 
 BENCH_DIR = Path("docs") / "bench"
 PAGE = Path("docs") / "performance.md"
+README = Path("README.md")
+BEGIN, END = "<!-- figures:begin -->", "<!-- figures:end -->"
+# the README's headline figures: (figure key, column heading); the concurrent ones at the run's largest level
+HEADLINE = (
+    ("decode_tok_s", "single stream", "tok/s"),
+    ("agg_tok_s", "{c} clients", "tok/s"),
+    ("ttft_p50_s", "TTFT p50, {c} clients", "ms"),
+)
 INTRO = """\
 # Performance
 
@@ -61,9 +70,7 @@ def render(runs: Sequence[tuple[str, dict[str, Any]]]) -> str:
 
 
 def machine_section(runs: Sequence[dict[str, Any]]) -> str:
-    machine = runs[0]["meta"]["machine"]
-    microarch = f" ({machine['microarch']})" if machine["microarch"] else ""
-    lines = [f"## {machine['cpu']}{microarch}, {machine['cores']} cores", "", machine_line(runs), ""]
+    lines = [f"## {_machine_name(runs[0]['meta']['machine'])}", "", machine_line(runs), ""]
     for results in runs:
         lines += [run_section(results), ""]
     return "\n".join(lines)
@@ -116,6 +123,43 @@ def provenance(meta: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def summary(runs: Sequence[tuple[str, dict[str, Any]]]) -> str:
+    """The README's table: per machine kind, model and peer, tokenmill's headline figures against the peer's."""
+    concurrency = max(max(results["meta"]["table_concurrency"]) for _, results in runs)
+    headings = [heading.format(c=concurrency) for _, heading, _ in HEADLINE]
+    lines = [_row(["machine", "model", "against", *headings]), _row(["---"] * (3 + len(headings)))]
+    for _, results in runs:
+        meta, figures = results["meta"], results["figures"]
+        keys = [(key if key == "decode_tok_s" else f"c{concurrency}_{key}", unit) for key, _, unit in HEADLINE]
+        ours = figures["tokenmill"]
+        for peer, theirs in list(figures.items())[1:]:
+            cells = [_versus(ours.get(key), theirs.get(key), unit) for key, unit in keys]
+            lines.append(_row([_machine_name(meta["machine"]), meta["model"] or "–", peer, *cells]))
+    return "\n".join(lines)
+
+
+def with_summary(readme: str, table: str) -> str:
+    """`readme` with the lines between its figure markers replaced by `table`."""
+    head, begin, rest = readme.partition(BEGIN)
+    _, end, tail = rest.partition(END)
+    if not begin or not end:
+        raise ValueError(f"the README has no {BEGIN} ... {END} lines to put the figures between")
+    return f"{head}{BEGIN}\n{table}\n{END}{tail}"
+
+
+def _machine_name(machine: dict[str, Any]) -> str:
+    microarch = f" ({machine['microarch']})" if machine["microarch"] else ""
+    return f"{machine['cpu']}{microarch}, {machine['cores']} cores"
+
+
+def _versus(ours: float | None, theirs: float | None, key: str) -> str:
+    """ "**2.39×** (111.6 vs 46.8 tok/s)": the ratio first, then the two figures it divides."""
+    if ours is None or theirs is None or theirs == 0:
+        return "–"
+    unit = "ms" if key.endswith("_s") else "tok/s"
+    return f"**{ours / theirs:.2f}×** ({format_value(ours, unit)} vs {format_value(theirs, unit)} {unit})"
+
+
 def _row(cells: Sequence[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
@@ -128,6 +172,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tokenmill.bench.render", description=__doc__.split("\n\n")[0])
     parser.add_argument("--bench-dir", type=Path, default=BENCH_DIR, help="the runs' JSON files (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=PAGE, help="the page to write (default: %(default)s)")
+    parser.add_argument(
+        "--readme", type=Path, default=README, help="whose figure lines get the headline table (default: %(default)s)"
+    )
     args = parser.parse_args(argv)
     runs = load_runs(args.bench_dir)
     if not runs:
@@ -135,7 +182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"no runs in {args.bench_dir}: write one with `tokenmill bench --compare --json {args.bench_dir}/`"
         )
     args.out.write_text(render(runs))
-    print(f"{args.out}: {len(runs)} runs from {args.bench_dir}")
+    args.readme.write_text(with_summary(args.readme.read_text(), summary(runs)))
+    print(f"{args.out} and {args.readme}: {len(runs)} runs from {args.bench_dir}")
     return 0
 
 
