@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import gguf
-import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from tests.gguf_writer import add_sizes, add_tokenizer, tensor_name, write_gguf_file
 from tokenmill.tokenizer import Tokenizer
 from tokenmill.tokenizer.fim import FimStyle
 from tokenmill.tokenizer.gguf import build_gguf_tokenizer
@@ -163,33 +163,6 @@ def write_tokenizer_files(directory: Path, max_length: int, tokenizer: Tokenizer
     (directory / "generation_config.json").write_text(json.dumps(gen_config, indent=1))
 
 
-# --- the same model as GGUF files, written the way llama.cpp's converter writes them --------------------------------
-_GGUF_GEMMA3 = {
-    "input_layernorm": "attn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "post_attention_layernorm": "post_attention_norm",
-    "pre_feedforward_layernorm": "ffn_norm",
-    "post_feedforward_layernorm": "post_ffw_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-
-
-def gguf_name(hf_name: str) -> str:
-    if hf_name == "model.embed_tokens.weight":
-        return "token_embd.weight"
-    if hf_name == "model.norm.weight":
-        return "output_norm.weight"
-    _, _, layer, *module, kind = hf_name.split(".")
-    return f"blk.{layer}.{_GGUF_GEMMA3['.'.join(module)]}.{kind}"
-
-
 def write_tiny_gguf(
     path: str | Path,
     architecture: str = "gemma3",
@@ -198,52 +171,28 @@ def write_tiny_gguf(
     max_position_embeddings: int | None = None,
     sliding_window: int | None = None,
 ) -> Path:
-    """The tiny model as a GGUF; norms stored as w + 1 like llama.cpp does. `architecture` is written as given,
-    so tests can make files of architectures the engine does not support. `quantize`: the matrices in Q8_0, or in
-    the given types taken in turn (so stacked projections mix types, as in real files). `max_position_embeddings`
-    and `sliding_window` in place of 256 and 8 (a GGUF's four Gemma 3 layers are all sliding-window ones)."""
+    """The tiny model as a GGUF (gguf_writer.py); norms stored as w + 1 like llama.cpp does. `architecture` is written
+    as given, so tests can make files of architectures the engine does not support. `quantize`: the matrices in Q8_0,
+    or in the given types taken in turn. `max_position_embeddings` and `sliding_window` in place of 256 and 8 (a
+    GGUF's four Gemma 3 layers are all sliding-window ones)."""
     types = [gguf.GGMLQuantizationType.Q8_0] if quantize is True else list(quantize or [])
     config = tiny_hf_config()
     if max_position_embeddings is not None:
         config["max_position_embeddings"] = max_position_embeddings
     if sliding_window is not None:
         config["sliding_window"] = sliding_window
-    writer = gguf.GGUFWriter(str(path), architecture)
-    _write_gguf_metadata(writer, config)
-    for name, tensor in tiny_state_dict(config, seed).items():
-        values = (tensor + 1.0 if name.endswith("norm.weight") else tensor).numpy().astype(np.float32)
-        if types and values.ndim == 2:
-            kind, types = types[0], [*types[1:], types[0]]
-            writer.add_tensor(gguf_name(name), gguf.quants.quantize(values, kind), raw_dtype=kind)
-        else:
-            writer.add_tensor(gguf_name(name), values)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return Path(path)
+    tensors = (
+        (tensor_name(name, "gemma3"), (tensor + 1.0 if name.endswith("norm.weight") else tensor).numpy())
+        for name, tensor in tiny_state_dict(config, seed).items()
+    )
+    return write_gguf_file(path, architecture, lambda w: _gguf_metadata(w, config), tensors, types)
 
 
-def _write_gguf_metadata(w: gguf.GGUFWriter, config: dict[str, Any]) -> None:
+def _gguf_metadata(w: gguf.GGUFWriter, config: dict[str, Any]) -> None:
     w.add_name("tiny gemma")
-    w.add_context_length(config["max_position_embeddings"])
-    w.add_embedding_length(config["hidden_size"])
-    w.add_block_count(config["num_hidden_layers"])
-    w.add_feed_forward_length(config["intermediate_size"])
-    w.add_head_count(config["num_attention_heads"])
-    w.add_head_count_kv(config["num_key_value_heads"])
-    w.add_key_length(config["head_dim"])
-    w.add_value_length(config["head_dim"])
-    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    w.add_rope_freq_base(config["rope_theta"])
-    w.add_sliding_window(config["sliding_window"])
+    add_sizes(w, config)
     meta = tiny_gguf_metadata()
-    w.add_tokenizer_model(meta["tokenizer.ggml.model"])
-    w.add_token_list(meta["tokenizer.ggml.tokens"])
-    w.add_token_scores(meta["tokenizer.ggml.scores"])
-    w.add_token_types(meta["tokenizer.ggml.token_type"])
-    w.add_bos_token_id(2)
-    w.add_eos_token_id(1)
+    add_tokenizer(w, meta, meta["tokenizer.ggml.scores"])
     w.add_pad_token_id(0)
     w.add_unk_token_id(3)
     w.add_add_bos_token(True)

@@ -5,7 +5,7 @@ Llama's q/k rows permuted, Phi-3's fused tensors, rope factors as tensors)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +14,7 @@ import gguf
 import numpy as np
 import torch
 
+from tests.gguf_writer import add_sizes, add_tokenizer, tensor_name, write_gguf_file
 from tests.tiny_model import tiny_gguf_metadata, write_tokenizer_files
 
 SIZES = {
@@ -120,55 +121,18 @@ def write_hf_model(directory: Path, family: Family, seed: int = 0) -> torch.nn.M
 
 
 # --- GGUF, as llama.cpp's convert_hf_to_gguf.py writes it -----------------------------------------------------------
-_BLOCK = {
-    "input_layernorm": "attn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.qkv_proj": "attn_qkv",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.gate_up_proj": "ffn_up",  # Phi-3: gate then up, one tensor
-    "mlp.down_proj": "ffn_down",
-    "mlp.c_fc": "ffn_up",  # StarCoder2
-    "mlp.c_proj": "ffn_down",
-}
-
-
-_GEMMA_NORMS = {  # Gemma has a norm after each sublayer too
-    "post_attention_layernorm": "post_attention_norm",
-    "pre_feedforward_layernorm": "ffn_norm",
-    "post_feedforward_layernorm": "post_ffw_norm",
-}
-
-
-def gguf_tensor_name(name: str, arch: str) -> str:
-    fixed = {
-        "model.embed_tokens.weight": "token_embd.weight",
-        "model.norm.weight": "output_norm.weight",
-        "model.norm.bias": "output_norm.bias",
-    }
-    if name in fixed or name == "lm_head.weight":
-        return fixed.get(name, "output.weight")
-    _, _, layer, *module, kind = name.split(".")
-    names = {**_BLOCK, **_GEMMA_NORMS} if arch.startswith("gemma") else _BLOCK
-    return f"blk.{layer}.{names['.'.join(module)]}.{kind}"
-
-
 def write_gguf(
     path: Path, family: Family, model: torch.nn.Module, quantize: Sequence[gguf.GGMLQuantizationType] = ()
 ) -> Path:
     """`quantize`: the matrices in these types, taken in turn (stacked parts then mix types, as in real files)."""
-    config = model.config
-    types = list(quantize)
-    writer = gguf.GGUFWriter(str(path), family.gguf_arch)
-    _metadata(writer, family)
+    return write_gguf_file(path, family.gguf_arch, lambda w: _metadata(w, family), _tensors(family, model), quantize)
+
+
+def _tensors(family: Family, model: torch.nn.Module) -> Iterator[tuple[str, np.ndarray]]:
+    """The model's tensors as the converter writes them: Gemma's norms as 1 + w, Llama's q/k rows permuted, no tied
+    head, and the rotary's scaling factors as tensors of their own."""
     for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight" and config.tie_word_embeddings:
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
         values = tensor.float().numpy()
         if family.gguf_arch.startswith("gemma") and name.endswith("norm.weight"):
@@ -177,39 +141,17 @@ def write_gguf(
             values = _llama_cpp_permute(values, SIZES["num_attention_heads"])
         elif family.gguf_arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             values = _llama_cpp_permute(values, SIZES["num_key_value_heads"])
-        if types and values.ndim == 2:
-            kind, types = types[0], [*types[1:], types[0]]
-            writer.add_tensor(
-                gguf_tensor_name(name, family.gguf_arch), gguf.quants.quantize(values, kind), raw_dtype=kind
-            )
-        else:
-            writer.add_tensor(gguf_tensor_name(name, family.gguf_arch), np.ascontiguousarray(values))
+        yield tensor_name(name, family.gguf_arch), values
     if family.name == "llama3":
-        writer.add_tensor("rope_freqs.weight", np.array(_llama3_rope_factors(), dtype=np.float32))
+        yield "rope_freqs.weight", np.array(_llama3_rope_factors(), dtype=np.float32)
     if family.name == "phi3":
-        writer.add_tensor("rope_factors_long.weight", np.array(LONGROPE["long_factor"], dtype=np.float32))
-        writer.add_tensor("rope_factors_short.weight", np.array(LONGROPE["short_factor"], dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+        yield "rope_factors_long.weight", np.array(LONGROPE["long_factor"], dtype=np.float32)
+        yield "rope_factors_short.weight", np.array(LONGROPE["short_factor"], dtype=np.float32)
 
 
 def _metadata(w: gguf.GGUFWriter, family: Family) -> None:
     head_dim = family.options.get("head_dim", HEAD_DIM)
-    w.add_context_length(SIZES["max_position_embeddings"])
-    w.add_embedding_length(SIZES["hidden_size"])
-    w.add_block_count(SIZES["num_hidden_layers"])
-    w.add_feed_forward_length(SIZES["intermediate_size"])
-    w.add_head_count(SIZES["num_attention_heads"])
-    w.add_head_count_kv(SIZES["num_key_value_heads"])
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_layer_norm_rms_eps(SIZES["rms_norm_eps"])
-    w.add_rope_freq_base(10_000.0)
-    if family.sliding_window:
-        w.add_sliding_window(family.sliding_window)
+    add_sizes(w, {**SIZES, "head_dim": head_dim, "rope_theta": 10_000.0, "sliding_window": family.sliding_window})
     if family.gguf_arch == "gemma2":
         w.add_attn_logit_softcapping(family.options["attn_logit_softcapping"])
         w.add_final_logit_softcapping(family.options["final_logit_softcapping"])
@@ -218,12 +160,7 @@ def _metadata(w: gguf.GGUFWriter, family: Family) -> None:
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(LONGROPE_ORIGINAL)))
         w.add_rope_scaling_orig_ctx_len(LONGROPE_ORIGINAL)
     meta = tiny_gguf_metadata()
-    w.add_tokenizer_model("llama")
-    w.add_token_list(meta["tokenizer.ggml.tokens"])
-    w.add_token_scores([-float(i) for i in range(len(meta["tokenizer.ggml.tokens"]))])
-    w.add_token_types(meta["tokenizer.ggml.token_type"])
-    w.add_bos_token_id(2)
-    w.add_eos_token_id(1)
+    add_tokenizer(w, meta, [-float(i) for i in range(len(meta["tokenizer.ggml.tokens"]))])
 
 
 def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
