@@ -143,3 +143,9 @@ async def call_then_disconnect(
 
     await app(asgi_scope("/v1/completions"), receive, send)
     return sent
+
+
+def missing_members(protocol: type, implementation: object) -> list[str]:
+    """The members of `protocol` (its attributes, properties and methods) that `implementation` lacks."""
+    members = {name for name in vars(protocol) if not name.startswith("_")} | set(protocol.__annotations__)
+    return sorted(name for name in members if not hasattr(implementation, name))

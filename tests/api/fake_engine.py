@@ -9,10 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from tokenmill.engine.outputs import FinishReason, RequestOutput, SequenceDelta, TokenLogprob
+from tokenmill.engine.outputs import (
+    EngineDescription,
+    FinishReason,
+    RequestOutput,
+    SequenceDelta,
+    StepReport,
+    TokenLogprob,
+)
 from tokenmill.engine.sampling import SamplingParams
 
 SCRIPT = "The quick brown fox jumps over the lazy dog."
@@ -29,6 +36,7 @@ class CharTokenizer:
     vocab_size = len(SPECIALS) + len(CHARS)
     supports_fim = False  # the fast tier's FIM tests run the real engine on tiny FIM tokenizers
     fim_end_ids: tuple[int, ...] = ()
+    chat_template: str | None = None
 
     def encode_infill(self, prefix: str, suffix: str) -> list[int]:
         raise ValueError("no fill-in-the-middle tokens")
@@ -93,13 +101,24 @@ class FakeEngine:
     losses_left: int = 1  # how many generate calls lose_at_step applies to
     neg_inf_alternative: bool = False  # one top-k alternative has logprob -inf
     tokenizer: CharTokenizer = field(default_factory=CharTokenizer)
+    description: EngineDescription | None = None  # the banner names only the model and its context
     requests: list[tuple[str, list[int], SamplingParams]] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     completed: list[str] = field(default_factory=list)
     lifecycle: list[str] = field(default_factory=list)
+    step_observers: list[Callable[[StepReport], None]] = field(default_factory=list)  # told of no step: it runs none
 
     def is_healthy(self) -> bool:
         return self.healthy
+
+    def health(self) -> dict[str, int] | None:  # one engine, no replicas (ReplicatedEngine has some)
+        return None
+
+    async def refresh(self) -> None:
+        pass
+
+    def add_step_observer(self, observe: Callable[[StepReport], None]) -> None:
+        self.step_observers.append(observe)
 
     async def start(self) -> None:  # the app's lifespan starts an engine that is not running yet
         self.healthy = True

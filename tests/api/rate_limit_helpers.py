@@ -11,7 +11,7 @@ from fastapi import FastAPI
 
 from tests.api.fake_engine import FakeEngine
 from tokenmill.api.app import create_app
-from tokenmill.api.completions import Engine
+from tokenmill.api.engine_protocol import Engine
 from tokenmill.api.errors import APIError
 from tokenmill.api.rate_limit import REQUESTS, TOKENS, Limit, RateLimiter
 from tokenmill.api.record import pseudonym

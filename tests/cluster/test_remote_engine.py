@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from tests.api.api_helpers import missing_members
 from tests.cluster.remote_fakes import DIED, FakeHandle, output
 from tests.tiny_model import tiny_tokenizer
+from tokenmill.api.engine_protocol import Engine
 from tokenmill.cluster.remote_engine import RemoteEngine
 from tokenmill.cluster.replica import ReplicaInfo, ReplicaSnapshot
 from tokenmill.engine.core import EngineStats
@@ -96,3 +98,9 @@ def test_refreshes_at_once_share_one_round_and_none_left_is_unhealthy() -> None:
     asyncio.run(burst())
     assert handle.broadcasts == 1
     assert not remote.is_healthy()
+
+
+def test_it_answers_the_whole_engine_protocol_starting_and_stopping_nothing() -> None:
+    remote = engine(FakeHandle([]))
+    assert missing_members(Engine, remote) == []
+    assert asyncio.run(remote.start()) is None and asyncio.run(remote.stop()) is None and remote.is_healthy()

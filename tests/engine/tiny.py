@@ -34,6 +34,7 @@ class ByteTokenizer:
     eos_ids = (1,)
     supports_fim = False
     fim_end_ids: tuple[int, ...] = ()
+    chat_template: str | None = None
 
     def encode_infill(self, prefix: str, suffix: str) -> list[int]:
         raise ValueError("no fill-in-the-middle tokens")
@@ -54,6 +55,9 @@ class ByteTokenizer:
                 out.append(SPECIAL[i])
         out.append(pending.decode("utf-8", errors="replace"))
         return "".join(out)
+
+    def id_to_token(self, token_id: int) -> str:
+        return self.decode([token_id])  # a byte's token alone: its text where it is a whole character
 
 
 def tiny_config(vocab_size: int = ByteTokenizer.vocab_size) -> ModelConfig:

@@ -33,12 +33,12 @@ from tokenmill.api.access_log import (
     request_id,
 )
 from tokenmill.api.admission import RETRY_AFTER_S, Admission
-from tokenmill.api.completions import Completion, Engine, prepare_guides
+from tokenmill.api.completions import Completion, prepare_guides
+from tokenmill.api.engine_protocol import Engine
 from tokenmill.api.errors import APIError
 from tokenmill.api.guard import RequestGuard
 from tokenmill.api.limits import RequestLimits
 from tokenmill.api.metrics import Metrics
-from tokenmill.api.prompts import adds_bos
 from tokenmill.api.protocol import CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_request
 from tokenmill.api.rate_limit import ANONYMOUS, Quota, RateLimiter, UserUsage
 from tokenmill.api.record import pseudonym
@@ -71,9 +71,7 @@ def create_app(engines: Engine | Sequence[Engine], config: Config) -> FastAPI:
     app.state.user_usage = UserUsage()
     app.state.metrics = Metrics(app.state.engines, app.state.user_usage)
     for name, engine in app.state.engines.items():
-        add_step_observer = getattr(engine, "add_step_observer", None)  # the real engine's; a fake may lack it
-        if add_step_observer is not None:
-            add_step_observer(app.state.metrics.step_observer(name))
+        engine.add_step_observer(app.state.metrics.step_observer(name))
     app.include_router(router)
     app.include_router(web.router)
     # Starlette types every handler as taking any Exception; it calls each only with the class it is registered for
@@ -96,9 +94,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     started = []
     try:
         for engine in app.state.engines.values():
-            start = getattr(engine, "start", None)
-            if start is not None and not engine.is_healthy():
-                await start()
+            if not engine.is_healthy():
+                await engine.start()
                 started.append(engine)
         yield
     finally:
@@ -112,9 +109,7 @@ async def stop_engines(app: FastAPI) -> None:
 
 async def _stop(engines: Iterable[Engine]) -> None:
     for engine in engines:
-        stop = getattr(engine, "stop", None)
-        if stop is not None:
-            await stop()
+        await engine.stop()
 
 
 # --- routes ---------------------------------------------------------------------------------------------------------
@@ -256,7 +251,7 @@ async def health(request: Request) -> dict[str, Any]:
     sick = [name for name, engine in engines.items() if not engine.is_healthy()]
     if sick:
         raise errors.service_unavailable(f"The engine of {', '.join(sick)} is not healthy.", RETRY_AFTER_S)
-    replicas = {name: report() for name, engine in engines.items() if (report := getattr(engine, "health", None))}
+    replicas = {name: report for name, engine in engines.items() if (report := engine.health()) is not None}
     if not replicas:
         return {"status": "ok"}
     degraded = any(r["replicas"] < r["target_replicas"] for r in replicas.values())
@@ -266,9 +261,7 @@ async def health(request: Request) -> dict[str, Any]:
 async def _refresh(engines: Iterable[Engine]) -> None:
     """Engines whose state lives elsewhere (replicas, cluster/) fetch it before a route reports it."""
     for engine in engines:
-        refresh = getattr(engine, "refresh", None)
-        if refresh is not None:
-            await refresh()
+        await engine.refresh()
 
 
 @router.get(METRICS_PATH, include_in_schema=False)
@@ -285,13 +278,10 @@ async def stats(request: Request, model: str | None = None) -> dict[str, Any]:
     the first model's)."""
     engine = _engine(request, model)
     await _refresh([engine])
-    snapshot = getattr(engine, "stats", None)
-    if snapshot is None:
+    counters = engine.stats()
+    if counters is None:
         raise errors.not_found("This engine keeps no stats.")
-    value = snapshot()
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.asdict(value)
-    return dict(value)
+    return dataclasses.asdict(counters)
 
 
 @router.post("/tokenize", openapi_extra=protocol.openapi_body(TokenizeRequest))
@@ -305,8 +295,7 @@ async def tokenize(request: Request) -> dict[str, Any]:
         tokens = _checked_ids(body.prompt, tokenizer.vocab_size, "prompt")
     result: dict[str, Any] = {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
     if body.return_token_strs:
-        to_str = getattr(tokenizer, "id_to_token", None) or (lambda t: tokenizer.decode([t]))
-        result["token_strs"] = [to_str(t) for t in tokens]
+        result["token_strs"] = [tokenizer.id_to_token(t) for t in tokens]
     return result
 
 
@@ -322,22 +311,21 @@ async def detokenize(request: Request) -> dict[str, str]:
 async def tokenizer_info(request: Request, model: str | None = None) -> dict[str, Any]:
     """The fields lm-evaluation-harness's remote tokenizer (and vLLM's endpoint) expose; `?model=` picks whose."""
     engine = _engine(request, model)
-    tok: Any = engine.tokenizer
-    add_bos = adds_bos(tok)
+    tok = engine.tokenizer
     return {
         "tokenizer_class": type(tok).__name__,
         "bos_token": tok.bos_token,
         "eos_token": tok.eos_token,
-        "pad_token": getattr(tok, "pad_token", None),
+        "pad_token": tok.pad_token,
         "bos_token_id": tok.bos_id,
         "eos_token_id": tok.eos_id,
         "eos_token_ids": list(tok.eos_ids),
-        "pad_token_id": getattr(tok, "pad_id", None),
-        "add_bos_token": add_bos,
+        "pad_token_id": tok.pad_id,
+        "add_bos_token": tok.add_bos,
         "vocab_size": tok.vocab_size,
         "model_max_length": engine.max_model_len,
         "max_model_len": engine.max_model_len,
-        "chat_template": getattr(tok, "chat_template", None),
+        "chat_template": tok.chat_template,
     }
 
 

@@ -17,11 +17,12 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from tokenmill.api import protocol, sse
 from tokenmill.api.admission import RETRY_AFTER_S
 from tokenmill.api.choice import Choice
+from tokenmill.api.engine_protocol import Engine, Tokenizer
 from tokenmill.api.errors import (
     REQUEST_TIMEOUT,
     APIError,
@@ -35,7 +36,6 @@ from tokenmill.api.limits import RequestLimits
 from tokenmill.api.logprobs import LogprobsBuilder
 from tokenmill.api.prompts import (
     Prompt,
-    Tokenizer,
     bad_words_ids,
     check_content,
     prepare_prompts,
@@ -51,23 +51,6 @@ from tokenmill.engine.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class Engine(Protocol):
-    """What the HTTP edge needs of tokenmill.engine.engine.AsyncEngine."""
-
-    max_model_len: int
-    model_name: str
-    system_fingerprint: str
-
-    @property
-    def tokenizer(self) -> Tokenizer: ...
-
-    def is_healthy(self) -> bool: ...
-
-    def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]: ...
 
 
 # --- one request ----------------------------------------------------------------------------------------------------

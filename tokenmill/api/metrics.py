@@ -12,13 +12,14 @@ Per-model series carry a `model` label: its served id, never a value a client ch
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 
-from tokenmill.api.completions import Engine
+from tokenmill.api.engine_protocol import Engine
 from tokenmill.api.rate_limit import UserUsage
 from tokenmill.api.record import CompletionRecord
 from tokenmill.engine.outputs import StepReport
@@ -194,14 +195,14 @@ class EngineStatsCollector:
     def collect(self) -> Iterable[Metric]:
         families = self._families()
         for model, engine in self.engines.items():
-            snapshot = getattr(engine, "stats", None)
-            if snapshot is None:
+            counters = engine.stats()
+            if counters is None:
                 continue
-            stats = snapshot()
-            values = [getattr(stats, field, None) for _, _, field in self.GAUGES]
-            used, free = getattr(stats, "num_used_blocks", None), getattr(stats, "num_free_blocks", None)
+            stats = dataclasses.asdict(counters)
+            values = [stats.get(field) for _, _, field in self.GAUGES]
+            used, free = stats.get("num_used_blocks"), stats.get("num_free_blocks")
             values.append(None if used is None or free is None else used + free)
-            values.append(getattr(stats, "num_preemptions", None))
+            values.append(stats.get("num_preemptions"))
             for family, value in zip(families, values):
                 if value is not None:
                     family.add_metric([model], value)

@@ -5,36 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 from tokenmill.api import protocol
+from tokenmill.api.engine_protocol import Tokenizer
 from tokenmill.api.errors import context_length_exceeded, invalid_request
 from tokenmill.api.protocol import CompletionRequest
 from tokenmill.engine.content_filter import ContentFilter
 from tokenmill.engine.outputs import RequestOutput, TokenLogprob
-
-
-class Tokenizer(Protocol):
-    bos_id: int | None
-    eos_id: int | None
-
-    @property
-    def eos_ids(self) -> tuple[int, ...]: ...  # every id that ends generation (the engine's own set)
-
-    @property
-    def vocab_size(self) -> int: ...
-
-    @property
-    def supports_fim(self) -> bool: ...
-
-    @property
-    def fim_end_ids(self) -> tuple[int, ...]: ...
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
-
-    def encode_infill(self, prefix: str, suffix: str) -> list[int]: ...
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
 
 
 @dataclass
@@ -112,21 +89,13 @@ def _prompt(item: str | list[int], tokenizer: Tokenizer, with_text: bool, keep_l
     else:
         _check_in_vocabulary(item, tokenizer.vocab_size, "prompt")
         bos = tokenizer.bos_id
-        added = [bos] if bos is not None and item[0] != bos and adds_bos(tokenizer) else []
+        added = [bos] if bos is not None and item[0] != bos and tokenizer.add_bos else []
         ids, text, hidden = added + list(item), tokenizer.decode(item) if with_text else "", len(added)
     if keep_last is not None and len(ids) > keep_last:
         cut = len(ids) - keep_last
         ids, hidden = ids[cut:], max(hidden - cut, 0)
         text = tokenizer.decode(ids) if with_text else ""
     return Prompt(ids, text, hidden=hidden)
-
-
-def adds_bos(tokenizer: Any) -> bool:
-    """Whether the tokenizer starts every encoded text with BOS (its settings, else what it does)."""
-    add_bos = getattr(tokenizer, "add_bos", None)
-    if add_bos is None:
-        add_bos = tokenizer.bos_id is not None and tokenizer.encode("a")[:1] == [tokenizer.bos_id]
-    return bool(add_bos)
 
 
 def _infill_prompt(item: str | list[int], suffix: str, tokenizer: Tokenizer) -> Prompt:

@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any, cast
+from typing import cast
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve import context as serve_context
@@ -67,6 +67,12 @@ class RemoteEngine:
     def running_replicas(self) -> int:
         return len(self.snapshots)
 
+    async def start(self) -> None:
+        """Nothing to start here: Ray Serve starts the replicas, each its own engine's step loop."""
+
+    async def stop(self) -> None:
+        """Nothing to stop here: the replicas stop with the deployment."""
+
     def is_healthy(self) -> bool:
         """At least one replica answered the last refresh (before the first: the one `connect` reached)."""
         return not self.refreshed or bool(self.snapshots)
@@ -96,7 +102,7 @@ class RemoteEngine:
                 for observe in self._observers:
                     observe(report)
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> dict[str, int]:
         return {"replicas": self.running_replicas, "target_replicas": self.target_replicas}
 
     async def generate(

@@ -128,6 +128,12 @@ class AsyncEngine:
     def is_healthy(self) -> bool:
         return self._task is not None and not self._task.done() and not self._ended
 
+    def health(self) -> None:
+        """No replicas to count: one engine in this process (cluster/'s RemoteEngine counts its replicas)."""
+
+    async def refresh(self) -> None:
+        """Nothing to fetch: the engine's state is in this process."""
+
     def stats(self) -> EngineStats:
         with self._lock:
             return self.core.snapshot_stats()

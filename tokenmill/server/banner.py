@@ -12,7 +12,7 @@ import shlex
 from collections.abc import Iterable
 from typing import Any
 
-from tokenmill.api.completions import Engine
+from tokenmill.api.engine_protocol import Engine
 
 log = logging.getLogger("tokenmill.banner")
 
@@ -26,7 +26,7 @@ def url_of(host: str, port: int, scheme: str = "http") -> str:
 def model_facts(engine: Engine) -> dict[str, Any]:
     """What the banner says of one model (its name and context only, for an engine that does not describe itself)."""
     facts: dict[str, Any] = {"model": engine.model_name, "max_model_len": engine.max_model_len}
-    description = getattr(engine, "description", None)
+    description = engine.description
     if description is not None:
         facts.update(
             dtype=description.dtype,

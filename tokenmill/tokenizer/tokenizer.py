@@ -67,6 +67,11 @@ class Tokenizer:
         return self.special.add_bos and self.bos_id is not None
 
     @property
+    def chat_template(self) -> str | None:
+        """None: tokenmill completes text and keeps no chat template (/tokenizer_info still names the field)."""
+        return None
+
+    @property
     def eos_ids(self) -> tuple[int, ...]:
         """Every id that ends generation: eos plus the model's extra end tokens."""
         tokens = (self.special.eos_token, *self.special.extra_eos_tokens)
