@@ -49,7 +49,7 @@ def test_it_is_started_with_llama_servers_command_line_plus_its_cpu_flags(binary
     assert argv[argv.index("--threads") + 1] == argv[argv.index("--threads-batch") + 1] == "3"
     assert argv[argv.index("--parallel") + 1] == "8" and argv[argv.index("--ctx-size") + 1] == str(8 * 4096)
     assert argv[argv.index("--alias") + 1] == "m" and argv[argv.index("--host") + 1] == "127.0.0.1"
-    assert argv[-3:] == ["-rtr", "-fa", "--no-mmap"]
+    assert argv[-4:] == ["-rtr", "-fa", "on", "--no-mmap"]
 
 
 def test_the_environment_names_the_binary_when_the_flag_does_not(binary: Path, monkeypatch: pytest.MonkeyPatch) -> None:

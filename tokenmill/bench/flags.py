@@ -95,7 +95,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         type=Path,
         metavar="PATH",
         help=f"ik_llama.cpp's llama-server binary, built from its sources (default: ${IK_LLAMA_ENV}); started with "
-        "llama-server's flags (--llama-server-slots, --llama-server-ctx) plus -rtr -fa",
+        "llama-server's flags (--llama-server-slots, --llama-server-ctx) plus -rtr -fa on",
     )
     servers.add_argument("--ik-llama-server-args", default="", help="more ik-llama-server flags, as one quoted string")
     servers.add_argument(

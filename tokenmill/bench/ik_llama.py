@@ -4,7 +4,7 @@
 It is not on PyPI in any form, so the bench cannot build it the way it builds llama-server: it takes a binary built
 by hand, `--ik-llama-server PATH` or TOKENMILL_IK_LLAMA_SERVER, and refuses at once, before anything is built or
 started, when there is none. The server's command line is llama-server's (same threads, slots and context), plus the
-two flags its CPU users add: `-rtr` repacks the weights at load into those interleaved layouts, and `-fa` turns on
+two flags its CPU users add: `-rtr` repacks the weights at load into those interleaved layouts, and `-fa on` turns on
 flash attention.
 """
 
@@ -19,7 +19,7 @@ from tokenmill.bench.servers import ServerSpec, ServerStartError
 
 NAME = "ik-llama-server"
 ENV = "TOKENMILL_IK_LLAMA_SERVER"
-CPU_FLAGS = ("-rtr", "-fa")
+CPU_FLAGS = ("-rtr", "-fa", "on")  # its -fa takes a value (on, off, auto)
 BUILD = (
     "cmake -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF "
     "&& cmake --build build --target llama-server -j2"
