@@ -11,6 +11,12 @@ import pytest
 from tokenmill.model.loading import identity
 
 
+@pytest.fixture(autouse=True)
+def no_hashes_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts from an empty table of hashes begun ahead, whatever another test's start left in it."""
+    monkeypatch.setattr(identity, "_ahead", {})
+
+
 def _counting_hashes(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     hashed: list[Path] = []
     real = identity._hash_file
