@@ -9,6 +9,7 @@ import aiohttp
 import pytest
 
 from tests.bench.fake_openai import EARLY_STOP_AT, EOS_ID, FakeOpenAI
+from tokenmill.bench import load
 from tokenmill.bench.load import LoadSettings, bench_url, make_client, run_level, stream_completion
 from tokenmill.bench.load import run as load_run
 from tokenmill.bench.loopback import NotLoopbackError
@@ -132,3 +133,19 @@ def test_the_load_generator_runs_on_uvloop_where_it_is_installed() -> None:
         return type(asyncio.get_running_loop()).__module__
 
     assert load_run(loop_module()).startswith("uvloop")
+
+
+@pytest.mark.parametrize(
+    ("finish", "tokens", "exact", "expected"),
+    [
+        ("stop", 6, True, "length"),  # usage counts all of max_tokens: it ran to the end, whatever the label
+        ("stop", 3, True, "stop"),  # a real early stop
+        ("stop", 6, False, "stop"),  # counted from chunks: nothing proves it ran to the end
+        ("length", 6, True, "length"),
+        (None, 0, False, None),
+    ],
+)
+def test_a_stop_that_ran_to_max_tokens_is_a_length_finish(
+    finish: str | None, tokens: int, exact: bool, expected: str | None
+) -> None:
+    assert load._finish(finish, tokens, exact, max_tokens=6) == expected

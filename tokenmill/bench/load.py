@@ -107,7 +107,15 @@ async def _read_stream(response: aiohttp.ClientResponse, start: float, max_token
                 first = last if first is None else first
                 chunks += 1
     tokens, exact = _count_tokens(usage, finish, max_tokens, chunks)
-    return RequestResult(True, time.perf_counter() - start, first, last, tokens, exact, finish)
+    return RequestResult(
+        True, time.perf_counter() - start, first, last, tokens, exact, _finish(finish, tokens, exact, max_tokens)
+    )
+
+
+def _finish(finish: str | None, tokens: int, exact: bool, max_tokens: int) -> str | None:
+    """The finish reason, except that a "stop" whose usage counts all of max_tokens is the "length" it was: a server
+    that labels every end "stop" (ik_llama.cpp's) would otherwise read as stopping early in the bench's notes."""
+    return "length" if finish == "stop" and exact and tokens >= max_tokens else finish
 
 
 def _count_tokens(usage: dict[str, Any] | None, finish: str | None, max_tokens: int, chunks: int) -> tuple[int, bool]:
