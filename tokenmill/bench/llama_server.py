@@ -11,6 +11,7 @@ minutes on a 2-core machine, once.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -60,7 +61,10 @@ def ensure_llama_server(root: Path, version: str = SOURCE_VERSION, timeout_s: fl
     with log.open("ab") as out:
         source = _download_source(root, version, out, timeout_s)
         build = root / "build"
-        _run(["cmake", "-S", str(source), "-B", str(build), "-G", _generator(), *options], out, timeout_s)
+        # llama.cpp's build stamps the commit git finds above its sources: under .bench/ that is the enclosing
+        # project's, so git is kept from looking above `root`
+        no_git = {**os.environ, "GIT_CEILING_DIRECTORIES": str(root.resolve())}
+        _run(["cmake", "-S", str(source), "-B", str(build), "-G", _generator(), *options], out, timeout_s, no_git)
         jobs = str(cpu_cores())
         _run(["cmake", "--build", str(build), "--target", *TARGETS, "-j", jobs], out, timeout_s)
     missing = [str(binary_path(root, t)) for t in TARGETS if not binary_path(root, t).is_file()]
@@ -126,5 +130,5 @@ def _generator() -> str:
     return "Ninja" if shutil.which("ninja") else "Unix Makefiles"
 
 
-def _run(command: list[str], out: IO[bytes], timeout_s: float) -> None:
-    subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, check=True, timeout=timeout_s)
+def _run(command: list[str], out: IO[bytes], timeout_s: float, env: dict[str, str] | None = None) -> None:
+    subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, check=True, timeout=timeout_s, env=env)
