@@ -23,6 +23,12 @@ def test_greedy_takes_argmax_and_reports_raw_logprob() -> None:
     assert [t for t, _ in r.top] == [0, 1]
 
 
+def test_a_temperature_too_small_to_divide_by_samples_greedily() -> None:
+    (r,) = sample(LOGITS, [row(temperature=1e-40, seed=3, logprobs=1)])
+    (greedy,) = sample(LOGITS, [row(temperature=0.0, logprobs=1)])
+    assert r.token_id == greedy.token_id == 0 and math.isfinite(r.logprob) and r.logprob == greedy.logprob
+
+
 def test_logit_bias_bans_and_forces() -> None:
     (banned,) = sample(LOGITS, [row(temperature=0.0, logit_bias={0: -100.0})])
     assert banned.token_id == 1

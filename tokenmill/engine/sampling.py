@@ -14,6 +14,9 @@ if TYPE_CHECKING:
     from tokenmill.engine.guided import Guide
 
 
+GREEDY_BELOW = 1e-5  # a temperature under this samples greedily
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -55,7 +58,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # below this, dividing the logits by the temperature overflows to inf and the softmax to NaN, while the draw
+        # it would make is the argmax anyway (vLLM's threshold too)
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:
