@@ -62,6 +62,7 @@ BAD_REQUESTS: list[tuple[dict[str, Any], int, str | None]] = [
     (body(logit_bias={"5": -100.5}), 400, "logit_bias"),
     (body(logit_bias={"99999": 1}), 400, "logit_bias"),
     (body(logit_bias={"-1": 1}), 400, "logit_bias"),
+    (body(logit_bias={"--5": 1}), 400, "logit_bias"),
     (body(logit_bias=[1, 2]), 400, "logit_bias"),
     (body(stream_options={"include_usage": True}), 400, "stream_options"),
     (body(stream=False, stream_options={"include_usage": True}), 400, "stream_options"),

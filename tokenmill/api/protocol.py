@@ -25,6 +25,7 @@ DEFAULT_TOP_P = 1.0
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 1024  # longer stop strings make the hold-back search slow and cannot be useful
 MAX_LOGIT_BIAS_ENTRIES = 1024
+TOKEN_ID_KEY = re.compile(r"\s*-?[0-9]+\s*")  # what int() reads as one integer ("--5" is not one: a 400, not a 500)
 MAX_TOKEN_ID_DIGITS = 12  # a logit_bias key longer than this is no token id (and would be slow to convert)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # past these a seen token has no chance, or nothing else has: nothing a client could mean, and logits would overflow
@@ -215,8 +216,7 @@ class CompletionRequest(_Strict):
                 "logit_bias", f"'logit_bias' may have at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(value)}"
             )
         for key in value or {}:
-            digits = key.strip().lstrip("-")
-            if len(key) > MAX_TOKEN_ID_DIGITS or not (digits.isascii() and digits.isdigit()):
+            if len(key) > MAX_TOKEN_ID_DIGITS or not TOKEN_ID_KEY.fullmatch(key):
                 raise PydanticCustomError("logit_bias", "'logit_bias' keys must be token ids (integers as strings)")
         return value
 
