@@ -101,6 +101,30 @@ def test_include_usage_adds_a_final_usage_chunk(app: FastAPI) -> None:
     assert last["id"] == content[0]["id"]
 
 
+def test_continuous_usage_stats_gives_each_chunk_its_choice_s_usage_so_far(app: FastAPI) -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    payload = body(prompt=["ab", "c"], n=2, max_tokens=4, stream=True, stream_options=options)
+    _, events = stream(app, payload)
+    *content, last = chunks_of(events)
+    seen: dict[int, list[int]] = defaultdict(list)
+    for chunk in content:
+        (choice,) = chunk["choices"]
+        usage = chunk["usage"]
+        assert usage["prompt_tokens"] == (3 if choice["index"] < 2 else 2)  # its own prompt's tokens
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        seen[choice["index"]].append(usage["completion_tokens"])
+    assert sorted(seen) == [0, 1, 2, 3]
+    assert all(counts == sorted(counts) and counts[-1] == 4 for counts in seen.values())  # growing, to the end
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 16  # the request's, as without it
+
+
+@pytest.mark.parametrize("options", [{"continuous_usage_stats": False}, {"continuous_usage_stats": True}])
+def test_continuous_usage_stats_without_include_usage_adds_nothing(app: FastAPI, options: dict[str, bool]) -> None:
+    response, events = stream(app, body(max_tokens=3, stream=True, stream_options=options))
+    assert response.status_code == 200
+    assert all("usage" not in chunk for chunk in chunks_of(events))
+
+
 def test_obfuscation_is_added_when_asked(app: FastAPI) -> None:
     payload = body(max_tokens=3, stream=True, stream_options={"include_obfuscation": True})
     _, events = stream(app, payload)

@@ -154,7 +154,8 @@ class Completion:
         yield sse.DONE
 
     def _chunk(self, choices: list[dict[str, Any]], with_usage: bool) -> dict[str, Any]:
-        chunk = protocol.completion_chunk(self.meta, choices, None, with_usage)
+        so_far = self._choice_usage(choices[0]["index"]) if self.request.continuous_usage else None
+        chunk = protocol.completion_chunk(self.meta, choices, so_far, with_usage)
         if self.request.include_obfuscation:  # pads chunk sizes so their lengths do not reveal the tokens
             chunk["obfuscation"] = secrets.token_urlsafe(1 + secrets.randbelow(16))
         return chunk
@@ -190,6 +191,16 @@ class Completion:
                 c.index, c.sent_prompt_extras = p * n + j, False
                 result.append(c.piece("".join(c.text), c.logprobs, c.token_ids))
         return result
+
+    def _choice_usage(self, index: int) -> dict[str, Any]:
+        """A streamed choice's usage so far, as vLLM's continuous_usage_stats gives it: its prompt's tokens and its own
+        completion tokens."""
+        prompt = self.prompts[index // self.params.n]
+        return protocol.usage(
+            prompt_tokens=len(prompt.token_ids),
+            completion_tokens=self.choices[index].num_tokens,
+            cached_tokens=prompt.cached_tokens,
+        )
 
     def usage(self) -> dict[str, Any]:
         return protocol.usage(
