@@ -83,7 +83,7 @@ def test_the_check_finds_each_kind_of_process_word(tmp_path: Path) -> None:
     phrases += ["see issue_11", "at stop_4", "on the VM_of a neighbour"]
     planted = [phrase.replace("_", " ") for phrase in phrases]  # "_" for the space: this file holds none of them
     kept = ['@pytest.fixture(scope="session")', "a process in its own session", "with_session cookies", "VM offset"]
-    kept = [phrase.replace("_", " ") for phrase in kept]  # "with session" would trip a plainer check of this file
+    kept = [phrase.replace("_", " ") for phrase in kept]  # spelt apart like the planted ones, for plainer scans
     (tmp_path / "notes.md").write_text("\n".join(planted + kept) + "\n")
     (tmp_path / "picture.png").write_bytes(b"\x89PNG\0 " + planted[0].encode())
     (tmp_path / "tests" / "spec").mkdir(parents=True)
