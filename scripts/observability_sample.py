@@ -1,4 +1,4 @@
-"""What a scrape of /metrics and the server's log look like after a few real requests, for the README.
+"""What a scrape of /metrics and the server's log look like after a few real requests, for docs/operations.md.
 
 python scripts/observability_sample.py [--default-model] [--log-format text|json] [--out DIR]
 

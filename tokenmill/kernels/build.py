@@ -63,7 +63,7 @@ HEADERS = [
 ]
 FLAGS = ["-O3", "-ffp-contract=off", "-fPIC", "-shared"]
 DIR_MODE = 0o700
-SLOWER = "the torch paths run instead, which are slower (see the README's Performance section)"
+SLOWER = "the torch paths run instead, which are slower (docs/decisions/0002-no-prebuilt-kernels.md)"
 OPENMP_PROBE = "#include <omp.h>\nint main(void) { return omp_get_max_threads() < 1; }\n"
 
 CType = type[ctypes.c_int64] | type[ctypes.c_float] | type[ctypes.c_int] | type[ctypes.c_void_p]

@@ -11,7 +11,7 @@
  * not depend on its batch. Q6_K stays on VNNI (its halves of 16 would need two products of half the depth and two
  * float steps a row).
  *
- * Where the time goes (the README has the figures): the dot products are nearly free here; what is left is the AMX
+ * Where the time goes (docs/decisions/0007-amx-tiles.md): the dot products are nearly free here; what is left is the AMX
  * unit's own sequence of load, product and store, which it runs one instruction after another, the float step (three
  * vector operations a row and block, the 16 rows' accumulators in registers) and moving the sums out of the tiles
  * (tilestored, then a vector load a row). A tile load or a sum read straight behind the stores of its data waits for

@@ -100,7 +100,7 @@ ALWAYS_INLINE void rows_update(int type, const ivec *vec, const ivec *mag, facto
  * (row_prefetch): on the AMD Zen 4 machine one row consumed the stream fast enough for the CPU's own prefetcher, and
  * asking for the lines ahead as well held the pass at five sixths of the memory's speed whenever the memory was fast;
  * on the Intel Xeon (AMX) machine the pass without them read at ~80% of the memory's speed and with them at ~100%
- * (the README has the figures). */
+ * (docs/decisions/0010-prefetch-hints.md). */
 ALWAYS_INLINE void packed_group_row(int type, const uint8_t *w, const xblock *x, int64_t nb, int64_t m, fvec *res) {
     const int S = is_k(type) ? 8 : 1;
     const int64_t unit = packed_unit_bytes(type);
@@ -137,8 +137,7 @@ ALWAYS_INLINE void packed_group(int type, const uint8_t *w, const xblock *x, int
     const int has_mins = type == Q4_K || type == Q5_K;
     fvec mins[ROW_CHUNK];
     /* Zeroed a row at a time in registers: written as a plain loop, the compiler calls memset for the rows' 1-4 KiB,
-     * and on the LM head (K = 640, every group a short pass) those calls were a few percent of a 16-row step (the
-     * README has the figures). The other
+     * and on the LM head (K = 640, every group a short pass) those calls were a few percent of a 16-row step. The other
      * types leave `mins` alone (their float step never reads it) and subtract nothing: x - 0 is x, the same bits. */
     for (int64_t r = 0; r < rows; r++) {
         fvec zero = fv_zero();

@@ -43,7 +43,7 @@ int gguf_matmul_available(void) { return 1; }
  *
  * Greedy decoding wants each row's argmax and the engine wants to know whether a row's logits are all finite (a row
  * that is not fails its request). As separate passes after the product those read the (rows, 262144) float32 logits
- * back from memory, cold (the README has the figures). Here each thread looks at the columns of each claim it has
+ * back from memory, cold (docs/decisions/0012-head-argmax-in-its-pass.md). Here each thread looks at the columns of each claim it has
  * just written, still in L1, and keeps per row and lane: the largest value so far and the group it came from, and
  * the sum of every value (finite unless a value was an infinity or NaN, or the sum overflowed: torch's check in
  * sample_step.non_finite_rows is the same). Most claims hold no value as large as the lanes' best so far, and cost a

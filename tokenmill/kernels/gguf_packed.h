@@ -162,7 +162,7 @@ ALWAYS_INLINE factors sub_block_factors(int type, const uint8_t *blk, fvec d, in
  * it goes, in a pass of two rows or more (a single row's pass goes without: packed_group_row): the weights are one
  * sequential stream per thread, and without the hint the rows' compute and the stream alternate rather than overlap.
  * Into L1 (prefetcht0) the requests hold the core's few L1 fill buffers, and the types with more decoding per byte
- * than Q8_0 streamed at a fifth less (the README has the figures; 4 to 32 KiB alike) */
+ * than Q8_0 streamed at a fifth less (docs/decisions/0010-prefetch-hints.md; 4 to 32 KiB alike) */
 #define PREFETCH_AHEAD 8192
 #define ROW_PREFETCH_AHEAD 4096 /* the same for a single row's pass, where row_prefetch says it asks (2-8 KiB alike) */
 
