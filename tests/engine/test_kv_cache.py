@@ -1,6 +1,9 @@
 from __future__ import annotations
 
-from tokenmill.engine.kv_cache import BlockManager
+import hashlib
+from array import array
+
+from tokenmill.engine.kv_cache import BlockManager, PrefixHashes
 
 
 def test_allocate_and_free_return_every_block() -> None:
@@ -99,3 +102,30 @@ def test_every_free_block_without_a_cached_prefix_goes_before_any_cached_one_is_
     # its partial block (4), the last unused one (5), then the cached blocks oldest freed first, a prompt's tail first
     assert taken == [4, 5, 1, 0, 3, 2]
     assert bm.hash_to_block == {} and bm.block_to_hash == {}
+
+
+def test_prefix_keys_are_sha256_of_the_chain() -> None:
+    """The key that decides KV reuse is a cryptographic hash of the parent key and the block's ids: no client can
+    make two different prefixes collide."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    prompt = list(range(9))
+    a = bm.allocate_prompt(prompt, use_cache=True)
+    assert a is not None
+    bm.register_full_blocks(prompt, a.blocks, len(prompt))
+    first = hashlib.sha256(array("q", prompt[:4]).tobytes()).digest()
+    second = hashlib.sha256(first + array("q", prompt[4:8]).tobytes()).digest()
+    assert bm.block_to_hash == {a.blocks[0]: first, a.blocks[1]: second}
+
+
+def test_cache_salt_separates_prefixes() -> None:
+    bm = BlockManager(num_blocks=16, block_size=4)
+    prompt = list(range(13))
+    a = bm.allocate_prompt(prompt, True, PrefixHashes("tenant-a"))
+    assert a is not None
+    bm.register_full_blocks(prompt, a.blocks, len(prompt), PrefixHashes("tenant-a"))
+    for salt in (None, "tenant-b"):
+        other = bm.allocate_prompt(prompt, True, PrefixHashes(salt))
+        assert other is not None and other.num_cached_tokens == 0
+        bm.free_blocks(other.blocks)
+    same = bm.allocate_prompt(prompt, True, PrefixHashes("tenant-a"))
+    assert same is not None and same.num_cached_tokens == 12 and same.blocks[:3] == a.blocks[:3]

@@ -153,7 +153,7 @@ class EngineCore:
         seq.num_computed_tokens += s.num_tokens
         if seq.num_computed_tokens < seq.num_tokens:
             return []  # mid-prefill: more chunks to go
-        self.blocks.register_full_blocks(seq.token_ids, seq.block_table, seq.num_computed_tokens)
+        self.blocks.register_full_blocks(seq.token_ids, seq.block_table, seq.num_computed_tokens, seq.prefix)
         if seq.params.max_tokens == 0:
             self._finish_without_output(seq)
             return []

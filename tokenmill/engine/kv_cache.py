@@ -4,10 +4,15 @@ The tensors themselves are plain per-layer (num_blocks * block_size, kv_heads, h
 decides which slots a sequence owns. A full block of prompt tokens is remembered by a hash of its tokens chained with
 the previous block's hash, so a later prompt with the same prefix reuses the block instead of recomputing it. Freed
 blocks keep their hash until they are handed out again, so a cache hit can revive them.
+
+The hash is SHA-256, as vLLM's is: a collision would hand one prompt another's KV, so the key must be one no client can
+collide on purpose. A request's `cache_salt` starts its chain, so only requests with the same salt share blocks.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -29,8 +34,31 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
-def block_hash(parent: int | None, tokens: Seq[int]) -> int:
-    return hash((parent, tuple(tokens)))
+def block_hash(parent: bytes, tokens: Seq[int]) -> bytes:
+    """SHA-256 of the previous block's hash (the chain's root for the first block) and this block's token ids."""
+    digest = hashlib.sha256(parent)
+    digest.update(array("q", tokens).tobytes())
+    return digest.digest()
+
+
+def chain_root(salt: str | None) -> bytes:
+    """Where a chain starts: nothing without a salt, the salt's own hash with one (32 bytes, so never equal)."""
+    return b"" if salt is None else hashlib.sha256(b"cache_salt\0" + salt.encode()).digest()
+
+
+class PrefixHashes:
+    """A sequence's chained block hashes, computed once each as its blocks fill (its tokens only ever grow)."""
+
+    def __init__(self, salt: str | None = None) -> None:
+        self.root = chain_root(salt)
+        self.hashes: list[bytes] = []
+
+    def block(self, index: int, tokens: Seq[int], block_size: int) -> bytes:
+        while len(self.hashes) <= index:
+            i = len(self.hashes)
+            parent = self.hashes[-1] if self.hashes else self.root
+            self.hashes.append(block_hash(parent, tokens[i * block_size : (i + 1) * block_size]))
+        return self.hashes[index]
 
 
 @dataclass
@@ -49,8 +77,8 @@ class BlockManager:
         # the never-used ones from block 0 up; all before any cached prefix is evicted, so the pages a run touches
         # stay near its working set instead of growing over the whole cache (the tensors are allocated untouched)
         self.blank: dict[int, None] = dict.fromkeys(range(num_blocks - 1, -1, -1))
-        self.hash_to_block: dict[int, int] = {}
-        self.block_to_hash: dict[int, int] = {}
+        self.hash_to_block: dict[bytes, int] = {}
+        self.block_to_hash: dict[int, bytes] = {}
 
     @property
     def num_free(self) -> int:
@@ -63,13 +91,15 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def allocate_prompt(self, tokens: Seq[int], use_cache: bool) -> Allocation | None:
+    def allocate_prompt(
+        self, tokens: Seq[int], use_cache: bool, hashes: PrefixHashes | None = None
+    ) -> Allocation | None:
         """Blocks for a whole prompt, reusing cached full blocks of its prefix; None if they don't fit now.
 
         Only blocks inside tokens[:-1] are matched: the last prompt token is always computed, since its logits are
         needed and its KV must not be written into a block another sequence shares.
         """
-        cached = self._match_prefix(tokens) if use_cache else []
+        cached = self._match_prefix(tokens, hashes or PrefixHashes()) if use_cache else []
         fresh_needed = self.blocks_needed(len(tokens)) - len(cached)
         revived = sum(1 for b in cached if self.ref_counts[b] == 0)
         if fresh_needed > self.num_free - revived:
@@ -79,16 +109,13 @@ class BlockManager:
         blocks = cached + [self._take_fresh() for _ in range(fresh_needed)]
         return Allocation(blocks, len(cached) * self.block_size)
 
-    def _match_prefix(self, tokens: Seq[int]) -> list[int]:
+    def _match_prefix(self, tokens: Seq[int], hashes: PrefixHashes) -> list[int]:
         matched: list[int] = []
-        parent: int | None = None
-        for start in range(0, len(tokens) - 1 - self.block_size + 1, self.block_size):
-            h = block_hash(parent, tokens[start : start + self.block_size])
-            block = self.hash_to_block.get(h)
+        for i in range((len(tokens) - 1) // self.block_size):
+            block = self.hash_to_block.get(hashes.block(i, tokens, self.block_size))
             if block is None:
                 break
             matched.append(block)
-            parent = h
         return matched
 
     def can_append(self) -> bool:
@@ -108,16 +135,17 @@ class BlockManager:
         dst = self._take_fresh()
         return shared + [dst], (blocks[full], dst)
 
-    def register_full_blocks(self, tokens: Seq[int], blocks: list[int], num_computed: int) -> None:
+    def register_full_blocks(
+        self, tokens: Seq[int], blocks: list[int], num_computed: int, hashes: PrefixHashes | None = None
+    ) -> None:
         """Remember the hashes of the computed full blocks so later prompts can reuse them."""
-        parent: int | None = None
+        hashes = hashes or PrefixHashes()
         for i in range(num_computed // self.block_size):
-            h = block_hash(parent, tokens[i * self.block_size : (i + 1) * self.block_size])
+            h = hashes.block(i, tokens, self.block_size)
             b = blocks[i]
             if b not in self.block_to_hash and h not in self.hash_to_block:
                 self.hash_to_block[h] = b
                 self.block_to_hash[b] = h
-            parent = h
 
     def free_blocks(self, blocks: list[int]) -> None:
         for b in reversed(blocks):  # tail blocks first, so prefix blocks stay cached the longest

@@ -55,6 +55,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # Number of sequences forked from the one prefilled prompt (n, or best_of when it is larger).
     n: int = 1
+    # Starts the prefix cache's hash chain: only requests with the same salt share cached KV blocks (vLLM's).
+    cache_salt: str | None = None
 
     @property
     def greedy(self) -> bool:

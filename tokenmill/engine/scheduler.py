@@ -63,7 +63,7 @@ class Scheduler:
         prefills = sum(1 for s in scheduled if s.seq.num_computed_tokens < s.seq.num_tokens - 1)  # chunked prompts
         while self.waiting and budget > 0 and self._has_room_for(self.waiting[0]) and prefills < self.max_num_prefills:
             seq = self.waiting[0]
-            alloc = self.blocks.allocate_prompt(seq.token_ids, use_cache=not seq.wants_prompt_logprobs)
+            alloc = self.blocks.allocate_prompt(seq.token_ids, not seq.wants_prompt_logprobs, seq.prefix)
             if alloc is None:
                 break
             self.waiting.popleft()

@@ -9,6 +9,7 @@ import torch
 
 from tokenmill.engine.detok import IncrementalDetokenizer
 from tokenmill.engine.guided import GuidedState
+from tokenmill.engine.kv_cache import PrefixHashes
 from tokenmill.engine.outputs import FinishReason, TokenLogprob
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.engine.stop import StopChecker
@@ -41,6 +42,7 @@ class Sequence:
         self.params = params
         self.status = Status.WAITING
         self.block_table: list[int] = []
+        self.prefix = PrefixHashes(params.cache_salt)  # its blocks' prefix-cache keys
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # prompt tokens reused from the prefix cache at first admission
         self.generator = generator
