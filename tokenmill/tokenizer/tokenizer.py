@@ -1,8 +1,8 @@
 """Tokenizer: a Hugging Face `tokenizers.Tokenizer` plus the model's special-token settings.
 
 Built from a Hugging Face model directory (tokenizer.json + configs) or from a GGUF file's vocabulary. The GGUF builders
-reproduce what `transformers` builds for the same file (its `integrations/gguf/gguf_tokenizer_mapping.py`), so token ids
-match a `transformers` tokenizer loaded with `gguf_file=`.
+reproduce the family's own tokenizer.json, so token ids match it; they match a `transformers` tokenizer loaded with
+`gguf_file=` too, except on Gemma's long runs of spaces (docs/decisions/0026-gemma-whitespace-runs.md).
 """
 
 from __future__ import annotations
