@@ -40,7 +40,7 @@ from tokenmill.model.model_config import ModelConfig, RopeScaling
 from tokenmill.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-CACHE_VERSION = 1  # bump when the conversion changes, so stale caches are not reused
+CACHE_VERSION = 2  # bump when the conversion (or the tokenizer built with it) changes, so stale caches are not reused
 PREPARED_VERSION = 2  # bump when the engine's prepared (stacked, quantised) layout changes
 WEIGHTS_FILE, CONFIG_FILE, SOURCE_FILE = "model.safetensors", "model_config.json", "source.json"
 _HF_IDENTITY_FILES = (
