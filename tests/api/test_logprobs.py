@@ -3,8 +3,12 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from tokenmill.api.logprobs import MIN_LOGPROB, LogprobsBuilder, finite, top_logprobs
+from tests.api.fake_engine import CharTokenizer
+from tests.engine.tiny import ByteTokenizer
+from tokenmill.api.logprobs import MIN_LOGPROB, InContext, LogprobsBuilder, TokenView, finite, fit, top_logprobs
 from tokenmill.engine.outputs import TokenLogprob
 
 
@@ -36,13 +40,54 @@ def test_top_logprobs_holds_k_alternatives_plus_the_chosen_token(
 
 
 def test_offsets_run_across_prompt_and_fragments() -> None:
-    builder = LogprobsBuilder(top_k=0)
+    tok = CharTokenizer()
+    bos, a, b, d, e, f = tok.encode("abdef")
+    builder = LogprobsBuilder(0, TokenView(tok), [bos, a, b])
     prompt = builder.prompt(
-        [TokenLogprob(1, "<bos>", None), TokenLogprob(5, "ab", -1.0), TokenLogprob(6, "c", -2.0)], "abc"
+        [TokenLogprob(bos, "<bos>", None), TokenLogprob(a, "a", -1.0), TokenLogprob(b, "b", -2.0)], "ab"
     )
-    assert prompt["text_offset"] == [0, 0, 2]
+    assert prompt["tokens"] == ["", "a", "b"]  # the BOS the text leaves out takes no room
+    assert prompt["text_offset"] == [0, 0, 1]
     assert prompt["token_logprobs"] == [None, -1.0, -2.0]
-    first = builder.generated([TokenLogprob(7, "d", -0.1), TokenLogprob(8, "", -0.2)])
-    second = builder.generated([TokenLogprob(9, "ef", -0.3)])
-    assert first["text_offset"] + second["text_offset"] == [3, 4, 4]
-    assert second["tokens"] == ["ef"] and second["top_logprobs"] == [{"ef": -0.3}]
+    first = builder.generated([TokenLogprob(d, "d", -0.1), TokenLogprob(e, "e", -0.2)], "de")
+    second = builder.generated([TokenLogprob(f, "f", -0.3)], "f", final=True)
+    assert first["text_offset"] + second["text_offset"] == [2, 3, 4]
+    assert first["tokens"] == ["d", "e"]
+    assert second["tokens"] == ["f"] and second["top_logprobs"] == [{"f": -0.3}]
+
+
+FIT_CASES: list[tuple[list[str], str, list[str]]] = [
+    (["<bos>", "H", "i"], "Hi", ["", "H", "i"]),  # a token the text leaves out
+    (["Hel", "lo"], "He", ["He", ""]),  # the text ends inside a token (a stop string cut it)
+    (["a", "<eos>"], "a", ["a", ""]),
+    (["a", " b", "c"], "a\u2581bc", ["a", "\u2581b", "c"]),  # spelled differently, position by position
+    (["ab"], "abc", ["abc"]),  # what no token covers goes to the last one
+    (["", "x"], "x", ["", "x"]),
+    ([], "", []),
+]
+
+
+@pytest.mark.parametrize(("texts", "text", "expected"), FIT_CASES)
+def test_fit_follows_the_tokens_where_they_agree_with_the_text(
+    texts: list[str], text: str, expected: list[str]
+) -> None:
+    assert fit(texts, text) == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(texts=st.lists(st.text(max_size=4), min_size=1, max_size=8), text=st.text(max_size=20))
+def test_fit_always_joins_to_the_text(texts: list[str], text: str) -> None:
+    strings = fit(texts, text)
+    assert len(strings) == len(texts) and "".join(strings) == text
+
+
+def test_in_context_gives_a_character_to_the_token_that_finishes_it() -> None:
+    tok = ByteTokenizer()
+    ids = tok.encode("x\uffffy\U00020000", add_special_tokens=False)
+    reader = InContext(tok, [tok.bos_id], skip_special_tokens=True)
+    assert reader.peek(ids[0]) == "x"
+    strings = [reader.add(i) for i in ids]
+    assert strings == ["x", "", "", "\uffff", "y", "", "", "", "\U00020000"]
+    reader.add(ids[1])  # half a character ...
+    assert reader.peek(ids[2]) == "" and reader.peek(tok.encode("a", add_special_tokens=False)[0]) == "\ufffda"
+    assert reader.flush() == "\ufffd"  # ... that never finished

@@ -50,7 +50,7 @@ class Choice:
         return self._piece("", [], []) or self.piece("", None, [])
 
     def _piece(self, text: str, entries: list[TokenLogprob], token_ids: list[int]) -> dict[str, Any] | None:
-        fragment = self._logprobs_fragment(entries)
+        fragment = self._logprobs_fragment(entries, text)
         if self.echo_pending:
             text, self.echo_pending = self.prompt.text + text, False
         self.text.append(text)
@@ -70,13 +70,15 @@ class Choice:
             extras["prompt_logprobs"] = vllm_prompt_logprobs(self.prompt.echoed_logprobs, self.prompt_logprobs)
         return protocol.choice(self.index, text, logprobs, self.finish_reason, self.stop_reason, extras)
 
-    def _logprobs_fragment(self, entries: list[TokenLogprob]) -> dict[str, list[Any]] | None:
+    def _logprobs_fragment(self, entries: list[TokenLogprob], text: str) -> dict[str, list[Any]] | None:
+        """This piece's logprobs (`text`: its generated text)."""
         if self.builder is None:
             return None
         fragment = empty_logprobs()
         if self.echo_pending:
-            extend_logprobs(fragment, self.builder.prompt(self.prompt.echoed_logprobs, self.prompt.text))
-        extend_logprobs(fragment, self.builder.generated(entries))
+            hidden = self.prompt.token_ids[: self.prompt.hidden]
+            extend_logprobs(fragment, self.builder.prompt(self.prompt.echoed_logprobs, self.prompt.text, hidden))
+        extend_logprobs(fragment, self.builder.generated(entries, text, final=self.finish_reason is not None))
         if self.logprobs is None:
             self.logprobs = empty_logprobs()
         extend_logprobs(self.logprobs, fragment)

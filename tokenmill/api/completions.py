@@ -33,7 +33,7 @@ from tokenmill.api.errors import (
     service_unavailable,
 )
 from tokenmill.api.limits import RequestLimits
-from tokenmill.api.logprobs import LogprobsBuilder
+from tokenmill.api.logprobs import LogprobsBuilder, TokenView
 from tokenmill.api.prompts import (
     Prompt,
     bad_words_ids,
@@ -100,8 +100,9 @@ class Completion:
             system_fingerprint=engine.system_fingerprint,
         )
         width, echo, ids = self.params.n, bool(request.echo), bool(request.return_token_ids)
+        view = TokenView(engine.tokenizer, self.params.skip_special_tokens)
         self.choices = [
-            Choice(p * width + j, prompt, echo, self._builder(prompt), ids, request.prompt_logprobs)
+            Choice(p * width + j, prompt, echo, self._builder(prompt, view), ids, request.prompt_logprobs)
             for p, prompt in enumerate(self.prompts)
             for j in range(width)
         ]
@@ -113,11 +114,12 @@ class Completion:
         limit charges up front; usage's total_tokens is what it used)."""
         return sum(len(p.token_ids) for p in self.prompts) + self.params.max_tokens * len(self.choices)
 
-    def _builder(self, prompt: Prompt) -> LogprobsBuilder | None:
+    def _builder(self, prompt: Prompt, view: TokenView) -> LogprobsBuilder | None:
         """Without echo, OpenAI's text_offset counts from the prompt's start: the first token's is the prompt's length."""
         if self.request.logprobs is None:
             return None
-        return LogprobsBuilder(self.request.logprobs, start=0 if self.request.echo else len(prompt.text))
+        start = 0 if self.request.echo else len(prompt.text)
+        return LogprobsBuilder(self.request.logprobs, view, prompt.token_ids, start=start)
 
     async def response(self) -> dict[str, Any]:
         try:

@@ -1,0 +1,25 @@
+"""The real engine on a tiny random model over tests/tiny_model.py's Gemma-shaped vocabulary: a few whole words, and
+byte-fallback pieces for everything else (tests/engine/tiny.py's engine has one token a byte instead)."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.api.api_helpers import TINY_MODEL
+from tests.engine.tiny import tiny_config
+from tests.tiny_model import VOCAB_PAD, tiny_tokenizer
+from tokenmill.config import Config
+from tokenmill.engine.engine import AsyncEngine
+from tokenmill.model.gemma3 import Gemma3ForCausalLM
+from tokenmill.server.engine_core import build_engine_core
+
+
+def gemma_vocab_engine() -> AsyncEngine:
+    """Served as TINY_MODEL, not yet started."""
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(tiny_config(VOCAB_PAD))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    config = Config(dtype="float32", block_size=4, num_kv_blocks=256, max_num_seqs=16, max_num_batched_tokens=64)
+    return AsyncEngine(build_engine_core(model.eval(), tiny_tokenizer(), config), TINY_MODEL, "fp_tiny")
