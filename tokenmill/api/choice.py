@@ -8,7 +8,14 @@ from typing import Any
 
 from tokenmill.api import protocol
 from tokenmill.api.errors import server_error
-from tokenmill.api.logprobs import LogprobsBuilder, empty_logprobs, extend_logprobs, finite, vllm_prompt_logprobs
+from tokenmill.api.logprobs import (
+    LogprobsBuilder,
+    TokenView,
+    empty_logprobs,
+    extend_logprobs,
+    finite,
+    vllm_prompt_logprobs,
+)
 from tokenmill.api.prompts import Prompt
 from tokenmill.engine.outputs import FinishReason, SequenceDelta, TokenLogprob
 
@@ -23,6 +30,7 @@ class Choice:
     builder: LogprobsBuilder | None
     return_token_ids: bool = False
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: top-k per prompt token
+    view: TokenView | None = None  # how prompt_logprobs' alternatives are read (the content filter)
     text: list[str] = field(default_factory=list)
     logprobs: dict[str, list[Any]] | None = None
     finish_reason: str | None = None
@@ -67,7 +75,10 @@ class Choice:
             extras = {"prompt_token_ids": self.prompt.token_ids} if first else {}
             extras["token_ids"] = token_ids
         if self.prompt_logprobs is not None and first:
-            extras["prompt_logprobs"] = vllm_prompt_logprobs(self.prompt.echoed_logprobs, self.prompt_logprobs)
+            hidden = self.prompt.token_ids[: self.prompt.hidden]
+            extras["prompt_logprobs"] = vllm_prompt_logprobs(
+                self.prompt.echoed_logprobs, self.prompt_logprobs, self.view, hidden
+            )
         return protocol.choice(self.index, text, logprobs, self.finish_reason, self.stop_reason, extras)
 
     def _logprobs_fragment(self, entries: list[TokenLogprob], text: str) -> dict[str, list[Any]] | None:

@@ -100,9 +100,9 @@ class Completion:
             system_fingerprint=engine.system_fingerprint,
         )
         width, echo, ids = self.params.n, bool(request.echo), bool(request.return_token_ids)
-        view = TokenView(engine.tokenizer, self.params.skip_special_tokens)
+        view = TokenView(engine.tokenizer, self.params.skip_special_tokens, self.params.content_filter)
         self.choices = [
-            Choice(p * width + j, prompt, echo, self._builder(prompt, view), ids, request.prompt_logprobs)
+            Choice(p * width + j, prompt, echo, self._builder(prompt, view), ids, request.prompt_logprobs, view)
             for p, prompt in enumerate(self.prompts)
             for j in range(width)
         ]

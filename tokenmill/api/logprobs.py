@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from tokenmill.engine.content_filter import AlternativesChecker, ContentFilter
 from tokenmill.engine.outputs import TokenLogprob
 
 MIN_LOGPROB = -9999.0  # what a -inf (or NaN) logprob is reported as; JSON has no infinity
@@ -32,11 +33,12 @@ class Decoder(Protocol):
 
 @dataclass(frozen=True)
 class TokenView:
-    """How one request's tokens are written out: the tokenizer that decodes them, and whether special tokens are part
-    of its text (skip_special_tokens)."""
+    """How one request's tokens are written out: the tokenizer that decodes them, whether special tokens are part of
+    its text (skip_special_tokens), and the content filter that their alternatives must pass."""
 
     decoder: Decoder
     skip_special_tokens: bool = True
+    content_filter: ContentFilter | None = None
 
 
 def finite(logprob: float) -> float:
@@ -155,15 +157,17 @@ class _Token:
     in_context: dict[int, str]  # alternatives decoded where they would stand (those whose own text needs it)
 
 
-def _scan(entries: Iterable[TokenLogprob], reader: InContext, k: int) -> list[_Token]:
-    """Each entry with its text in context, and its alternatives' where they need it: those whose own text is half a
-    character."""
+def _scan(
+    entries: Iterable[TokenLogprob], reader: InContext, k: int, content_filter: ContentFilter | None
+) -> list[_Token]:
+    """Each entry with its text in context, and its alternatives' where they need it: every one when a filter reads
+    them (a token's neighbours may make a match of it), else those whose own text is half a character."""
     tokens = []
     for entry in entries:
         in_context = {
             token_id: reader.peek(token_id, skip_special_tokens=False)
             for token_id, text, _ in entry.top[:k]
-            if _REPLACEMENT in text
+            if content_filter is not None or _REPLACEMENT in text
         }
         tokens.append(_Token(entry, reader.add(entry.token_id), in_context))
     return tokens
@@ -182,22 +186,24 @@ class LogprobsBuilder:
         self.text = ""  # the generated text returned so far
         self.covered = 0  # characters of it that sent tokens carry
         self.held: list[_Token] = []  # generated tokens not sent yet
+        self.checker = self._checker("")
 
     def prompt(self, entries: Iterable[TokenLogprob], prompt_text: str, context: Sequence[int] = ()) -> dict[str, Any]:
         """Echoed prompt tokens (`context`: those before them that the echo leaves out). Their strings follow the
         echoed text, so "".join(tokens) is the returned text and `text_offset` an index into it."""
         reader = InContext(self.view.decoder, context, skip_special_tokens=False)  # as the prompt's text has them
-        tokens = _scan(entries, reader, self.top_k)
+        tokens = _scan(entries, reader, self.top_k, self.view.content_filter)
         if tokens:
             tokens[-1].text += reader.flush()
-        fragment = self._render(tokens, fit([t.text for t in tokens], prompt_text))
+        fragment = self._render(tokens, fit([t.text for t in tokens], prompt_text), self._checker(""))
         self.offset = len(prompt_text)
+        self.checker = self._checker(prompt_text)  # with echo, generated alternatives read after the prompt
         return fragment
 
     def generated(self, entries: Iterable[TokenLogprob], text: str = "", final: bool = False) -> dict[str, Any]:
         """The next generated tokens and the text that came with them; `final`: the choice's last."""
         self.text += text
-        self.held += _scan(entries, self.reader, self.top_k)
+        self.held += _scan(entries, self.reader, self.top_k, self.view.content_filter)
         if final:
             if self.held:
                 self.held[-1].text += self.reader.flush()
@@ -207,48 +213,84 @@ class LogprobsBuilder:
             while ready < len(self.held) and self.text.startswith(self.held[ready].text, at):
                 at += len(self.held[ready].text)
                 ready += 1
+            if self.view.content_filter is not None and ready:
+                # the filter may cut the text inside the next token, which is then never reported: the text it
+                # leaves before the cut goes to the token before it, so that one waits for the next
+                ready -= 1
             strings = [t.text for t in self.held[:ready]]
         tokens, self.held = self.held[:ready], self.held[ready:]
         self.covered += sum(map(len, strings))
-        return self._render(tokens, strings)
+        return self._render(tokens, strings, self.checker)
 
-    def _render(self, tokens: list[_Token], strings: list[str]) -> dict[str, list[Any]]:
+    def _checker(self, context: str) -> AlternativesChecker | None:
+        content_filter = self.view.content_filter
+        return content_filter.alternatives(context) if content_filter is not None else None
+
+    def _render(
+        self, tokens: list[_Token], strings: list[str], checker: AlternativesChecker | None
+    ) -> dict[str, list[Any]]:
         fragment = empty_logprobs()
         for token, string in zip(tokens, strings, strict=True):
             entry = token.entry
             fragment["tokens"].append(string)
             fragment["token_logprobs"].append(None if entry.logprob is None else finite(entry.logprob))
-            fragment["top_logprobs"].append(top_logprobs(_shown(token, string), self.top_k))
+            fragment["top_logprobs"].append(top_logprobs(_shown(token, string, checker), self.top_k))
             fragment["text_offset"].append(self.offset)
             self.offset += len(string)
+            if checker is not None:
+                checker.extend(string)
         return fragment
 
 
-def _shown(token: _Token, string: str) -> TokenLogprob:
+def _shown(token: _Token, string: str, checker: AlternativesChecker | None) -> TokenLogprob:
     """The entry as the client sees it: the chosen token as `string`, each alternative as it reads (in context where
-    its own text is half a character)."""
+    its own text is half a character), without those the content filter drops."""
     top = []
     for token_id, text, logprob in token.entry.top:
         if token_id == token.entry.token_id:
             top.append((token_id, string, logprob))
-        else:
-            top.append((token_id, token.in_context.get(token_id, text) if _REPLACEMENT in text else text, logprob))
+            continue
+        in_context = token.in_context.get(token_id, text)
+        if checker is not None and not checker.allows(text, in_context):
+            continue
+        top.append((token_id, in_context if _REPLACEMENT in text else text, logprob))
     return dataclasses.replace(token.entry, text=string, top=top)
 
 
-def vllm_prompt_logprobs(entries: Iterable[TokenLogprob], k: int) -> list[dict[str, dict[str, Any]] | None]:
+def vllm_prompt_logprobs(
+    entries: Sequence[TokenLogprob], k: int, view: TokenView | None = None, context: Sequence[int] = ()
+) -> list[dict[str, dict[str, Any]] | None]:
     """vLLM's `prompt_logprobs`: per prompt token, null where it has no context, else a map token id → {logprob, rank,
-    decoded_token} holding the prompt token itself and the k likeliest tokens."""
+    decoded_token} holding the prompt token itself and the k likeliest tokens. With a content filter, an alternative
+    that would contain or complete a match after the prompt's tokens before it is left out (`context`: tokens before
+    `entries` that the client did not send)."""
+    allowed = _allowed_prompt_alternatives(entries, k, view, context)
     out: list[dict[str, dict[str, Any]] | None] = []
-    for entry in entries:
+    for i, entry in enumerate(entries):
         if entry.logprob is None:
             out.append(None)
             continue
         position = {str(entry.token_id): _vllm_entry(entry.logprob, entry.rank, entry.text)}
         for rank, (token_id, text, logprob) in enumerate(entry.top[:k], start=1):
-            position.setdefault(str(token_id), _vllm_entry(logprob, rank, text))
+            if allowed is None or token_id in allowed[i]:
+                position.setdefault(str(token_id), _vllm_entry(logprob, rank, text))
         out.append(position)
     return out
+
+
+def _allowed_prompt_alternatives(
+    entries: Sequence[TokenLogprob], k: int, view: TokenView | None, context: Sequence[int]
+) -> list[set[int]] | None:
+    """Per position, the ids of the alternatives that pass the content filter (None: there is no filter)."""
+    if view is None or view.content_filter is None:
+        return None
+    checker = view.content_filter.alternatives()
+    allowed = []
+    for token in _scan(entries, InContext(view.decoder, context, skip_special_tokens=False), k, view.content_filter):
+        top = token.entry.top[:k]
+        allowed.append({i for i, text, _ in top if checker.allows(text, token.in_context.get(i, text))})
+        checker.extend(token.text)
+    return allowed
 
 
 def _vllm_entry(logprob: float, rank: int | None, text: str) -> dict[str, Any]:

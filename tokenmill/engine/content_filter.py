@@ -9,6 +9,9 @@ could still grow into a match, as StopChecker does for stop strings. For regular
 answered by the `regex` module's partial matching: `search(text, partial=True)` reports a match that runs into the
 end of the text and might complete with more of it. Assertions at the end (`\\b`, `$`) are judged on the text so far,
 so a pattern like `re:\\bword\\b` stops an output at "word" even if "s" would have followed: it errs towards blocking.
+
+Logprobs carry text too: the alternatives the model weighed at each position. AlternativesChecker drops those that,
+read after the text in front of them, would contain or complete a match (api/logprobs.py asks it).
 """
 
 from __future__ import annotations
@@ -63,6 +66,9 @@ class ContentFilter:
     def checker(self, context: str = "") -> FilterChecker:
         return FilterChecker(self, context)
 
+    def alternatives(self, context: str = "") -> AlternativesChecker:
+        return AlternativesChecker(self, context)
+
 
 class FilterChecker:
     """One output's filter: feed text deltas, get back the text that is safe to show.
@@ -105,3 +111,35 @@ class FilterChecker:
     def _release(self, upto: int) -> str:
         released, self.released = self.text[self.released : upto], upto
         return released
+
+
+_LOOKBEHIND = 64  # characters kept before the earliest possible match, for assertions (`\\b`, lookbehinds) to read
+
+
+class AlternativesChecker:
+    """Which alternative tokens may be shown after a text: those that, read right after it, neither contain a match
+    nor complete one that began in it (a token "den" after "... forbid" is dropped when "forbidden" is filtered).
+
+    A token is one position's guess, not text that grows, so a token that merely begins a match is shown. The text
+    in front (`extend`) is kept only from where a match could still begin, so each check reads a short tail.
+    """
+
+    def __init__(self, content_filter: ContentFilter, context: str = "") -> None:
+        self.pattern = content_filter.pattern
+        self.tail = ""  # the end of the text so far: no match can begin before scan_from
+        self.scan_from = 0
+        self.extend(context)
+
+    def extend(self, text: str) -> None:
+        """`text` follows the text so far: it is what the client was shown there."""
+        if not text:
+            return
+        self.tail += text
+        found = self.pattern.search(self.tail, self.scan_from, partial=True)
+        self.scan_from = len(self.tail) if found is None else found.start()
+        cut = max(self.scan_from - _LOOKBEHIND, 0)
+        self.tail, self.scan_from = self.tail[cut:], self.scan_from - cut
+
+    def allows(self, *texts: str) -> bool:
+        """Whether an alternative may be shown; `texts`: each way it reads (as shown, as decoded in context)."""
+        return all(not text or self.pattern.search(self.tail + text, self.scan_from) is None for text in set(texts))
