@@ -28,9 +28,25 @@ def build_hf_gemma3(cfg: Any, state_dict: dict[str, Any], dtype: Any) -> Any:
     return transformers_gemma3(cfg, state_dict, attn_implementation="sdpa").to(dtype)
 
 
-def timed_generate(model: Any, ids: Any, mask: Any, new_tokens: int, eos_ids: list[int]) -> float:
+class _TokenClock:
+    """A generate() streamer that notes when each step's tokens arrive (the prompt's echo first)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: Any) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def timed_generate(model: Any, ids: Any, mask: Any, new_tokens: int, eos_ids: list[int]) -> tuple[float, float]:
+    """(seconds to the first new token, seconds from it to the last): apart, so that a decode rate never divides by
+    a difference of two separately timed runs, which a busy machine can make negative."""
     import torch
 
+    clock = _TokenClock()
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
@@ -41,11 +57,12 @@ def timed_generate(model: Any, ids: Any, mask: Any, new_tokens: int, eos_ids: li
             suppress_tokens=eos_ids,
             eos_token_id=eos_ids,
             pad_token_id=0,
+            streamer=clock,
         )
-    elapsed = time.perf_counter() - start
     if out.shape[1] - ids.shape[1] != new_tokens:
         raise SystemExit(f"generate made {out.shape[1] - ids.shape[1]} tokens, not {new_tokens}")
-    return elapsed
+    first, last = clock.times[1], clock.times[-1]  # times[0]: the prompt, put before any step
+    return first - start, last - first
 
 
 def left_padded(prompts: list[list[int]]) -> tuple[Any, Any]:
@@ -74,12 +91,11 @@ def measure(
     timed_generate(model, *one, 8, eos_ids)  # warm-up
     rates, ttfts = [], []
     for _ in range(runs):
-        first = timed_generate(model, *one, 1, eos_ids)  # prefill + the first token
-        full = timed_generate(model, *one, max_tokens, eos_ids)
+        first, decode = timed_generate(model, *one, max_tokens, eos_ids)
         ttfts.append(first)
-        rates.append((max_tokens - 1) / (full - first) if full > first else float("nan"))
+        rates.append((max_tokens - 1) / decode if max_tokens > 1 else float("nan"))  # one token: no decode
     many = left_padded([tok.encode(PROMPTS[i % len(PROMPTS)]) for i in range(batch)])
-    batch_s = timed_generate(model, *many, max_tokens, eos_ids)
+    batch_s = sum(timed_generate(model, *many, max_tokens, eos_ids))
     return {
         "dtype": dtype_name,
         "load_s": load_s,
