@@ -21,6 +21,10 @@ from tokenmill.tokenizer.gguf import build_gguf_tokenizer
 from tokenmill.tokenizer.special import SpecialTokens, special_from_dir
 
 SETTINGS_FILE = "tokenmill_tokenizer.json"
+# From this many characters (or ids), encode and decode go through tokenizers' batch calls, which let go of the GIL:
+# its single calls hold it throughout, about 10 ms at this length. Shorter ones (every token's detokenising) stay
+# single: the batch calls hand their work to tokenizers' own thread pool, whose threads then compete with torch's.
+LONG = 1 << 14
 TOKENIZER_FILE = "tokenizer.json"
 
 
@@ -103,13 +107,18 @@ class Tokenizer:
         ]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) < LONG:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # the batch call lets go of the GIL while it works (a worker thread's long prompt leaves the event loop free)
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        if len(ids) < LONG:
+            return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self._tok.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]  # the GIL let go too
 
     def id_to_token(self, token_id: int) -> str:
         token = self._tok.id_to_token(token_id)
