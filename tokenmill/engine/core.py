@@ -15,12 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.engine.guided import GuideError
 from tokenmill.engine.kv_cache import BlockManager
 from tokenmill.engine.outputs import FinishReason, RequestOutput, StepReport, TokenLogprob
 from tokenmill.engine.prompt_logprobs import prompt_logprob_entries
 from tokenmill.engine.request import RequestState
 from tokenmill.engine.runner import ModelRunner
-from tokenmill.engine.sample_step import gather_logits, greedy_keep, non_finite_rows, sample_rows
+from tokenmill.engine.sample_step import gather_logits, greedy_keep, guided_masks, non_finite_rows, sample_rows
 from tokenmill.engine.sampler import Sampled, SampleInput
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.engine.scheduler import Scheduled, Scheduler
@@ -87,14 +88,15 @@ class EngineCore:
             self.scheduler.finish(seq)
             seq.finish(FinishReason.ABORT)
 
-    def fail(self, request_id: str, message: str) -> None:
-        """End one request with an error (its blocks are freed); the others carry on."""
+    def fail(self, request_id: str, message: str, grammar_failed: bool = False) -> None:
+        """End one request with an error (its blocks are freed); the others carry on. `grammar_failed`: its own
+        grammar could not go on (guided.GuideError), which the edge answers as the client's fault."""
         state = self.requests.get(request_id)
         if state is None:
             return
         log.error("request %s failed: %s", request_id, message)
         self.abort(request_id)
-        self._failed.append(state.error_output(message))
+        self._failed.append(state.error_output(message, grammar_failed))
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """End every request with an error (a step failed as a whole); returns their error outputs."""
@@ -180,10 +182,10 @@ class EngineCore:
                 seq.output_counts,
                 seq.banned_ids(self.eos_ids),
                 seq.seen_ids,
-                seq.guided.allowed() if seq.guided is not None else None,
+                mask,
                 best,
             )
-            for (_, seq), best in zip(to_sample, argmax)
+            for (_, seq), mask, best in zip(to_sample, guided_masks([seq for _, seq in to_sample]), argmax)
         ]
         for (_, seq), result in zip(to_sample, sample_rows(logits, inputs)):
             if seq.is_finished:
@@ -192,6 +194,8 @@ class EngineCore:
                 if isinstance(result, Exception):
                     raise result
                 self._append(seq, result)
+            except GuideError as exc:
+                self.fail(seq.request_id, str(exc), grammar_failed=True)
             except Exception as exc:
                 log.exception("sampling or detokenising %s failed", seq.request_id)
                 self.fail(seq.request_id, _describe(exc))

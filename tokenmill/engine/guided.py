@@ -23,10 +23,21 @@ from llguidance.gbnf_to_lark import any_to_lark
 GuideKind = Literal["json", "regex", "grammar"]
 # JSON in its compact form: no whitespace between tokens, so a model cannot pad a value forever
 JSON_DEFAULTS: Any = {"whitespace_flexible": False}
+# the largest constraint taken, as llguidance reads it (a schema's JSON, a regex): llguidance builds and checks a
+# grammar holding the interpreter, in time and memory that grow with it, so a larger one is refused before it starts
+MAX_GUIDE_CHARS = 1 << 18
+MAX_REASON_CHARS = 300  # llguidance's errors quote the whole grammar: a client gets the first line, this long
 
 
 class GuideError(ValueError):
-    """The constraint cannot be used: an invalid schema, regex or grammar (the message says where)."""
+    """The constraint cannot be used: an invalid schema, regex or grammar, or one too large or complex for the
+    matcher (the message says where, in a line)."""
+
+
+def reason(text: str) -> str:
+    """The first line of llguidance's error, cut short: what it quotes of the grammar can be the whole request."""
+    line = text.strip().split("\n", 1)[0]
+    return line if len(line) <= MAX_REASON_CHARS else line[:MAX_REASON_CHARS] + "…"
 
 
 @dataclass(frozen=True)
@@ -44,7 +55,7 @@ class Guide:
             return str(LLMatcher.grammar_from_lark(any_to_lark(self.source)))
         except Exception as exc:  # noqa: BLE001 - llguidance and its GBNF converter raise their own kinds
             prefix = "the grammar is neither valid Lark nor GBNF: " if self.kind == "grammar" else ""
-            raise GuideError(f"{prefix}{exc}") from None
+            raise GuideError(f"{prefix}{reason(str(exc))}") from None
 
 
 def json_schema_guide(schema: Any) -> Guide:
@@ -71,10 +82,15 @@ def ll_tokenizer(tokenizer: Any) -> LLTokenizer:
 
 
 def check(guide: Guide, tokenizer: Any) -> None:
-    """Raises GuideError with llguidance's reason when the constraint is unusable with this tokenizer."""
+    """Raises GuideError with llguidance's reason when the constraint is unusable with this tokenizer, or too large
+    to be worth trying (MAX_GUIDE_CHARS)."""
+    if len(guide.source) > MAX_GUIDE_CHARS:
+        raise GuideError(
+            f"it is {len(guide.source)} characters as a grammar; this server takes at most {MAX_GUIDE_CHARS}"
+        )
     error = LLMatcher.validate_grammar(guide.grammar(), ll_tokenizer(tokenizer))
     if error:
-        raise GuideError(error.strip().splitlines()[0])
+        raise GuideError(reason(error))
 
 
 class GuidedState:
@@ -95,8 +111,10 @@ class GuidedState:
         return mask
 
     def advance(self, token_id: int) -> None:
+        """A grammar can pass validation and still outgrow the matcher's limits as the text grows (a row of thousands
+        of alternatives): that is the constraint's fault, a GuideError, not the engine's."""
         if not self.matcher.consume_token(token_id):
-            raise RuntimeError(f"the grammar refused token {token_id}: {self.matcher.get_error()}")
+            raise GuideError(f"the grammar failed at token {token_id}: {reason(self.matcher.get_error())}")
 
     @property
     def done(self) -> bool:

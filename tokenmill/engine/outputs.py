@@ -52,6 +52,8 @@ class RequestOutput:
     # with error: the engine itself went away (a replica's process died), not the request's fault; a client that has
     # been sent nothing of it yet may be served afresh
     lost: bool = False
+    # with error: the request's own grammar (structured outputs) outgrew the matcher's limits: the client's fault
+    grammar_failed: bool = False
 
 
 @dataclass(frozen=True)

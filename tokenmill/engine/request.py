@@ -60,8 +60,10 @@ class RequestState:
             self.sent_first = True
         return out
 
-    def error_output(self, message: str) -> RequestOutput:
-        return RequestOutput(self.request_id, [], self.prompt_ids, finished=True, error=message)
+    def error_output(self, message: str, grammar_failed: bool = False) -> RequestOutput:
+        return RequestOutput(
+            self.request_id, [], self.prompt_ids, finished=True, error=message, grammar_failed=grammar_failed
+        )
 
     def _take_delta(self, seq: Sequence) -> SequenceDelta | None:
         if seq.index in self.reported or not (seq.pending_ids or seq.pending_text or seq.is_finished):
