@@ -76,6 +76,12 @@ class Config:
         4, "most prompts prefilled in one step (a burst is taken a few at a time: earlier first tokens)"
     )
     threads: int | None = _opt(None, "torch intra-op threads; default: all cores")
+    structured_outputs_at_start: bool = _opt(
+        False,
+        "build llguidance's view of each model's vocabulary at start (seconds and ~150 MB for a 262k vocabulary)"
+        " instead of on the first structured-output request, which holds the interpreter, and so every request,"
+        " while it is built",
+    )
     greedy_head: bool = _opt(
         True,
         "a GGUF model's Q8_0 LM head also kept with 6-bit codes (3/4 of its bytes more memory): a lone greedy"
@@ -107,6 +113,12 @@ class Config:
     max_waiting_requests: int = _opt(1024, "prompts admitted but not yet started; past it new requests get 429")
     max_waiting_tokens: int = _opt(1 << 20, "prompt tokens of the waiting prompts; past it new requests get 429")
     max_request_bytes: int = _opt(32 << 20, "largest request body accepted, in bytes")
+    max_header_bytes: int = _opt(64 << 10, "largest request line and headers accepted, in bytes (past it: 431)")
+    max_response_bytes: int = _opt(
+        64 << 20,
+        "largest response one completion may cause, in bytes, as estimated before it runs from its prompts, n, echo,"
+        " logprobs, prompt_logprobs and max_tokens",
+    )
     max_prompts_per_request: int = _opt(2048, "most prompts in one request")
     max_choices_per_request: int = _opt(4096, "most sequences one request may generate: prompts x max(n, best_of)")
     max_prompt_tokens_per_request: int = _opt(1 << 20, "most prompt tokens in one request, all prompts together")
@@ -153,8 +165,12 @@ class Config:
             raise ConfigError("weight-only quantisation runs with bfloat16 activations: add --dtype bfloat16")
         if min(self.block_size, self.max_num_seqs, self.max_num_batched_tokens, self.max_num_prefills) <= 0:
             raise ConfigError("block_size, max_num_seqs, max_num_batched_tokens and max_num_prefills must be positive")
-        if min(self.max_waiting_requests, self.max_waiting_tokens, self.max_request_bytes) <= 0:
-            raise ConfigError("max_waiting_requests, max_waiting_tokens and max_request_bytes must be positive")
+        sizes = (self.max_request_bytes, self.max_header_bytes, self.max_response_bytes)
+        if min(self.max_waiting_requests, self.max_waiting_tokens, *sizes) <= 0:
+            raise ConfigError(
+                "max_waiting_requests, max_waiting_tokens, max_request_bytes, max_header_bytes and max_response_bytes"
+                " must be positive"
+            )
         if self.request_timeout_s < 0 or self.shutdown_grace_s < 0:
             raise ConfigError("request_timeout_s and shutdown_grace_s must not be negative")
         for name in RATE_LIMITS:

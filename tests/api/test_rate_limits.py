@@ -172,21 +172,69 @@ def test_a_request_over_the_remaining_tokens_is_refused_and_one_over_the_limit_c
     engine = FakeEngine()
     app = limited_app(Config(rate_limit_tokens="50/min"), FakeClock(), engine)
     assert complete(app, body(max_tokens=37)).status_code == 200  # 3 + 37 charged and used: 10 left
-    response = complete(app, body(max_tokens=12))  # 15 wanted
+    # 15 wanted; "hi" can be no fewer than 2 tokens (1 + BOS), prepaid for its tokenising: 13 more do not fit in 8
+    response = complete(app, body(max_tokens=12))
     error = assert_openai_error(response, 429, "rate_limit_exceeded")
     assert error["type"] == "tokens" and response.headers["retry-after"] == "6"  # 5 tokens back at 50 a minute
-    assert rate_headers(response.headers) == {"limit-tokens": "50", "remaining-tokens": "10", "reset-tokens": "48s"}
-    huge = complete(app, body(max_tokens=48))  # 51 > 50: no wait will do
+    assert rate_headers(response.headers) == {"limit-tokens": "50", "remaining-tokens": "8", "reset-tokens": "50.4s"}
+    huge = complete(app, body(max_tokens=48))  # 51 > 50: no wait will do (its 2 prepaid tokens stay charged)
     error = assert_openai_error(huge, 429, "rate_limit_exceeded")
     assert error["message"].startswith("Request too large for this API key on tokens per min: Limit 50, Requested 51")
-    assert "retry-after" not in huge.headers and rate_headers(huge.headers)["remaining-tokens"] == "10"
+    assert "retry-after" not in huge.headers and rate_headers(huge.headers)["remaining-tokens"] == "6"
     assert len(engine.requests) == 1
 
 
 @pytest.mark.parametrize(
+    ("payload", "prepaid"),
+    [(body(prompt=[100000]), "999"), (body(max_tokens=200), "998")],
+    ids=["token-outside-vocabulary", "over-the-context"],
+)
+def test_a_request_refused_once_prepared_keeps_its_request_and_prompt_tokens_charged(
+    payload: dict[str, Any], prepaid: str
+) -> None:
+    """Preparing a request (tokenising it, its vocabulary and context checks) is paid for before it is done: the
+    request and the fewest tokens its prompt can be (a token-id prompt: its length; "hi": 1 + BOS)."""
+    app = limited_app(Config(rate_limit_requests="5/min", rate_limit_tokens="1000/min"), FakeClock())
+    assert_openai_error(complete(app, payload), 400)
+    headers = rate_headers(complete(app, BAD).headers)
+    assert (headers["remaining-requests"], headers["remaining-tokens"]) == ("4", prepaid)
+
+
+def test_a_key_cannot_have_text_tokenised_past_its_token_limit() -> None:
+    """A text whose fewest possible tokens do not fit what is left is refused before it is tokenised, at no cost;
+    one that fits is charged that many before it is."""
+    engine = FakeEngine(max_model_len=100_000)
+    app = limited_app(Config(rate_limit_tokens="100/min"), FakeClock(), engine)
+    calls = spy_on_encode(engine)
+    long_text = "x" * 5000  # at least 5000 / 20 + 1 = 251 tokens for the fake's vocabulary: over the limit
+    response = complete(app, body(prompt=long_text))
+    error = assert_openai_error(response, 429, "rate_limit_exceeded")
+    assert "Requested 251" in error["message"] and calls == []
+    assert rate_headers(response.headers)["remaining-tokens"] == "100"
+    refused = complete(app, body(prompt="x" * 1500))  # at least 76, prepaid; then 1501 + 16 tokens: too large
+    assert_openai_error(refused, 429, "rate_limit_exceeded")
+    assert len(calls) == 1 and rate_headers(refused.headers)["remaining-tokens"] == "24"
+    assert_openai_error(complete(app, body(prompt="x" * 1500)), 429, "rate_limit_exceeded")  # 76 > 24: not tokenised
+    assert len(calls) == 1 and engine.requests == []
+
+
+def spy_on_encode(engine: FakeEngine) -> list[int]:
+    """The lengths of the texts the engine's tokenizer encodes from now on."""
+    calls: list[int] = []
+    encode = engine.tokenizer.encode
+
+    def spied(text: str, add_special_tokens: bool = True) -> list[int]:
+        calls.append(len(text))
+        return encode(text, add_special_tokens)
+
+    engine.tokenizer.encode = spied  # type: ignore[method-assign]
+    return calls
+
+
+@pytest.mark.parametrize(
     "payload",
-    [body(n=0), body(prompt=[100000]), body(model="gpt-nope"), {"model": MODEL}, body(max_tokens=200)],
-    ids=["bad-n", "token-outside-vocabulary", "unknown-model", "no-prompt-field", "over-the-context"],
+    [body(n=0), body(model="gpt-nope"), {"model": MODEL}],
+    ids=["bad-n", "unknown-model", "no-prompt-field"],
 )
 def test_a_refused_request_is_not_charged_but_carries_the_headers(payload: dict[str, Any]) -> None:
     app = limited_app(Config(rate_limit_requests="5/min", rate_limit_tokens="1000/min"), FakeClock())

@@ -238,3 +238,34 @@ def test_the_grammar_tokenizer_is_built_off_the_event_loop(monkeypatch: pytest.M
         return health.status_code, (await constrained).status_code
 
     assert run(go) == (200, 400)
+
+
+# --- constraints too large or too complex: 400s naming the field, with a short message ------------------------------
+def test_a_constraint_past_the_size_bound_is_refused_before_llguidance_reads_it(served: tuple[TestClient, str]) -> None:
+    client, model = served
+    enum = {"enum": [f"value-{i:06d}" for i in range(guided.MAX_GUIDE_CHARS // 10)]}
+    choices = ["c" * 1000] * (guided.MAX_GUIDE_CHARS // 1000 + 1)
+    for fields, param, words in [
+        ({"response_format": json_schema_format(enum)}, "response_format", "characters as a grammar"),
+        ({"structured_outputs": {"choice": choices}}, "structured_outputs", "characters together"),
+    ]:
+        response = client.post("/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2, **fields})
+        error = assert_openai_error(response, 400)
+        assert error["param"] == param and words in error["message"], error
+
+
+def test_a_grammar_that_outgrows_the_matcher_while_generating_is_a_short_400(served: tuple[TestClient, str]) -> None:
+    """3000 alternatives pass llguidance's check, then overflow its parser's row once the text starts ("["): the
+    client's grammar, not the engine, is at fault, and the answer quotes none of the grammar."""
+    client, model = served
+    schema = {"anyOf": [{"type": "array", "items": {"type": "integer"}, "minItems": i} for i in range(3000)]}
+    for stream in (False, True):
+        payload = {"model": model, "prompt": "x", "max_tokens": 4, "structured_outputs": {"json": schema}}
+        response = client.post("/v1/completions", json={**payload, "stream": stream})
+        if stream:
+            error = parse_sse(response.text)[-2]["error"]
+        else:
+            error = assert_openai_error(response, 400)
+        assert error["param"] == "structured_outputs" and error["type"] == "invalid_request_error", error
+        assert "'structured_outputs' cannot be used" in error["message"] and len(error["message"]) < 500
+    assert client.get("/health").status_code == 200

@@ -8,17 +8,25 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 
 from tests.api.api_helpers import parse_sse
 from tests.api.fake_engine import FakeEngine
 from tests.api.server_process import Server, serve
 from tokenmill.api.app import create_app
+from tokenmill.bench.servers import free_port
 from tokenmill.config import Config
 from tokenmill.server import http_server
 
@@ -166,3 +174,88 @@ def test_serve_freezes_what_loading_left_before_the_server_runs(monkeypatch: pyt
         assert frozen_when_run and frozen_when_run[0] > 0
     finally:
         gc.unfreeze()
+
+
+# --- the request's head is bounded ----------------------------------------------------------------------------------
+@contextmanager
+def bounded_server(max_header_bytes: int) -> Iterator[int]:
+    """The app on a fake engine under uvicorn with serve()'s protocol, on a thread; yields its port."""
+    port = free_port()
+    config = uvicorn.Config(
+        create_app(FakeEngine(), Config()),
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        http=http_server.http_protocol(max_header_bytes),
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        for _ in range(1000):  # up to 10 s
+            if server.started or not thread.is_alive():
+                break
+            time.sleep(0.01)
+        assert server.started
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def send_raw(port: int, pieces: list[bytes]) -> bytes:
+    """Send `pieces` one by one (as separate reads, where the server is quick), then read until the server closes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        try:
+            for piece in pieces:
+                sock.sendall(piece)
+                time.sleep(0.005)
+        except OSError:
+            pass  # the server may close before the last piece: its answer is already on the way
+        answer = b""
+        while chunk := sock.recv(1 << 16):
+            answer += chunk
+    return answer
+
+
+START = b"GET /health HTTP/1.1\r\nHost: test\r\n"
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        [START + b"X-Big: " + b"a" * 5000 + b"\r\nConnection: close\r\n\r\n"],  # whole, in one read
+        [START + b"X-Big: "] + [b"a" * 500] * 200,  # arriving piece by piece, never finished
+        [START] + [b"X-%d: v\r\n" % i for i in range(300)],  # many small headers
+    ],
+    ids=["one-read", "never-ending", "many-headers"],
+)
+def test_a_head_over_the_bound_is_a_431_and_the_server_goes_on(pieces: list[bytes]) -> None:
+    with bounded_server(1024) as port:
+        answer = send_raw(port, pieces)
+        head, _, content = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 431 "), answer[:200]
+        error = json.loads(content)["error"]
+        assert error["code"] == "request_header_fields_too_large" and "1024 bytes" in error["message"]
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+
+
+def test_a_head_within_the_bound_is_served() -> None:
+    with bounded_server(1024) as port:
+        answer = send_raw(port, [START + b"X-Ok: " + b"a" * 800 + b"\r\nConnection: close\r\n\r\n"])
+        assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+
+
+def test_structured_outputs_at_start_builds_each_grammar_tokenizer_before_serving(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    built: list[Any] = []
+    monkeypatch.setattr(http_server.guided, "ll_tokenizer", built.append)
+    monkeypatch.setattr(http_server.DrainingServer, "run", lambda self: None)
+    monkeypatch.setattr(http_server.prometheus_client, "disable_created_metrics", lambda: None)  # process-wide
+    engine = FakeEngine()
+    try:
+        assert http_server.serve(create_app(engine, Config()), Config(structured_outputs_at_start=True)) == 0
+    finally:
+        gc.unfreeze()
+    assert built == [engine.tokenizer]

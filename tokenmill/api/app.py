@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
@@ -37,7 +38,7 @@ from tokenmill.api.completions import Completion, prepare_guides
 from tokenmill.api.engine_protocol import Engine
 from tokenmill.api.errors import APIError
 from tokenmill.api.guard import RequestGuard
-from tokenmill.api.limits import RequestLimits
+from tokenmill.api.limits import RequestLimits, TextBound, check_text_length
 from tokenmill.api.metrics import Metrics
 from tokenmill.api.protocol import CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_request
 from tokenmill.api.rate_limit import ANONYMOUS, Quota, RateLimiter, UserUsage
@@ -166,9 +167,16 @@ async def _complete(request: Request, quota: Quota, arrived: float) -> Response:
     engine = _engine(request, body.model)
     admission.check_open(engine.is_healthy())
     quota.check()  # out of requests: refused before its prompts are tokenised
-    await prepare_guides(body, engine)
     state = request.app.state
-    completion = Completion(body, engine, state.limits, state.content_filter, arrived_at=arrived)
+    limits: RequestLimits = state.limits
+    least = limits.check_unprepared(body, await _text_bound(limits, engine), engine.max_model_len)
+    quota.prepay(least)  # tokenising is paid for, even when what it finds refuses the request
+    await prepare_guides(body, engine)
+
+    def prepared() -> Completion:
+        return Completion(body, engine, limits, state.content_filter, arrived_at=arrived)
+
+    completion = await asyncio.to_thread(prepared)  # tokenising and the grammar's check, off the event loop
     quota.acquire(completion.token_budget)
     try:
         ticket = admission.admit([len(p.token_ids) for p in completion.prompts])
@@ -180,8 +188,8 @@ async def _complete(request: Request, quota: Quota, arrived: float) -> Response:
     completion.start()
     attempts = [completion]  # a non-streamed completion whose engine was lost under it runs once more
 
-    def again() -> Completion:
-        retry = Completion(body, engine, state.limits, state.content_filter, arrived_at=arrived)
+    async def again() -> Completion:
+        retry = await asyncio.to_thread(prepared)
         retry.admitted_at, retry.on_started = completion.admitted_at, ticket.started
         attempts.append(retry)
         return retry
@@ -209,10 +217,12 @@ async def _complete(request: Request, quota: Quota, arrived: float) -> Response:
         finish()
     if result is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
+    if attempts[-1].echoes_prompt:  # up to --max-response-bytes: written a choice at a time, on a worker thread
+        return Response(await asyncio.to_thread(_json_in_pieces, result), media_type="application/json")
     return JSONResponse(result)
 
 
-async def _response(completion: Completion, again: Callable[[], Completion]) -> dict[str, Any]:
+async def _response(completion: Completion, again: Callable[[], Awaitable[Completion]]) -> dict[str, Any]:
     """The response; if the engine replica serving it died (cluster/), nothing has reached the client yet, so it is
     run once more, on another replica, before a 503 goes out. (A stream that has started ends with the error frame.)"""
     try:
@@ -221,7 +231,27 @@ async def _response(completion: Completion, again: Callable[[], Completion]) -> 
         if exc.reason != errors.ENGINE_LOST:
             raise
     logger.warning("completion %s lost its engine replica; running it again", completion.meta.id)
-    return await again().response()
+    return await (await again()).response()
+
+
+def _json_in_pieces(result: dict[str, Any]) -> bytes:
+    """JSONResponse's bytes, written a choice at a time: one call for a whole large response would hold the
+    interpreter, and with it the event loop, until it returned."""
+
+    def dumps(value: Any) -> bytes:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+    def field(key: str, value: Any) -> bytes:
+        written = b"[" + b",".join(map(dumps, value)) + b"]" if key == "choices" else dumps(value)
+        return dumps(key) + b":" + written
+
+    return b"{" + b",".join(field(key, value) for key, value in result.items()) + b"}"
+
+
+async def _text_bound(limits: RequestLimits, engine: Engine) -> TextBound:
+    """Found once per tokenizer by a pass over its vocabulary, on a worker thread."""
+    bound = limits.known_bound(engine.tokenizer)
+    return bound if bound is not None else await asyncio.to_thread(limits.text_bound, engine.tokenizer)
 
 
 @router.get("/v1/models")
@@ -286,11 +316,23 @@ async def stats(request: Request, model: str | None = None) -> dict[str, Any]:
 
 @router.post("/tokenize", openapi_extra=protocol.openapi_body(TokenizeRequest))
 async def tokenize(request: Request) -> dict[str, Any]:
+    """A text is refused unread past what any prompt could be, and its tokens past what one request may send; the
+    tokenising runs on a worker thread."""
     body = parse_request(TokenizeRequest, await request.body())
     engine = _engine(request, body.model)
+    limits: RequestLimits = request.app.state.limits
+    if isinstance(body.prompt, str):
+        check_text_length(len(body.prompt), await _text_bound(limits, engine), engine.max_model_len)
+    else:
+        limits.check_token_count(len(body.prompt), "prompt")
+    return await asyncio.to_thread(_tokenized, body, engine, limits)
+
+
+def _tokenized(body: TokenizeRequest, engine: Engine, limits: RequestLimits) -> dict[str, Any]:
     tokenizer = engine.tokenizer
     if isinstance(body.prompt, str):
         tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        limits.check_token_count(len(tokens), "prompt")
     else:
         tokens = _checked_ids(body.prompt, tokenizer.vocab_size, "prompt")
     result: dict[str, Any] = {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
@@ -303,8 +345,9 @@ async def tokenize(request: Request) -> dict[str, Any]:
 async def detokenize(request: Request) -> dict[str, str]:
     body = parse_request(DetokenizeRequest, await request.body())
     engine = _engine(request, body.model)
+    request.app.state.limits.check_token_count(len(body.tokens), "tokens")
     tokens = _checked_ids(body.tokens, engine.tokenizer.vocab_size, "tokens")
-    return {"prompt": engine.tokenizer.decode(tokens)}
+    return {"prompt": await asyncio.to_thread(engine.tokenizer.decode, tokens)}
 
 
 @router.get("/tokenizer_info")

@@ -82,16 +82,17 @@ class Completion:
             )
         _check_something_is_allowed(self.params, engine.tokenizer)
         if self.params.guide is not None:
-            param = "structured_outputs" if request.structured_outputs is not None else "response_format"
             try:
                 guided.check(self.params.guide, engine.tokenizer)
             except GuideError as exc:
-                raise invalid_request(f"'{param}' cannot be used: {exc}", param) from None
+                raise _unusable_guide(request, str(exc)) from None
         self.limits.check_counts(len(prompt_items(request.prompt)), self.params.n)
-        self.prompts = prepare_prompts(request, engine.tokenizer, engine.max_model_len, self.params.max_tokens)
+        capped = self.limits.capped(engine.tokenizer, request, engine.max_model_len)  # stops at the limits
+        self.prompts = prepare_prompts(request, capped, engine.max_model_len, self.params.max_tokens)
         if content_filter is not None:
             check_content(request, self.prompts, engine.tokenizer, content_filter)
         self.limits.check_prompt_tokens([len(p.token_ids) for p in self.prompts])
+        self.limits.check_response(request, self.prompts)
         self.on_started: Callable[[int], None] = _ignore  # told when a prompt's first engine output arrives
         self.meta = CompletionMeta(
             id=f"cmpl-{uuid.uuid4().hex}",
@@ -125,7 +126,7 @@ class Completion:
         try:
             async with aclosing(self._outputs()) as outputs:
                 async for prompt_index, output in outputs:
-                    self._apply(prompt_index, output)
+                    await self._take(prompt_index, output)
         except APIError as exc:
             self.error = exc
             raise
@@ -133,7 +134,17 @@ class Completion:
             self.error = server_error()
             raise
         self.finished = True
+        if self.echoes_prompt:  # every choice's echo and prompt logprobs, written out: off the event loop
+            return await asyncio.to_thread(self._response)
+        return self._response()
+
+    def _response(self) -> dict[str, Any]:
         return protocol.completion_response(self.meta, self._returned_choices(), self.usage())
+
+    @property
+    def echoes_prompt(self) -> bool:
+        """Each choice carries its prompt (echo, prompt_logprobs): work and bytes that grow with prompt × n."""
+        return bool(self.request.echo) or self.request.prompt_logprobs is not None
 
     async def frames(self) -> AsyncGenerator[str, None]:
         """The SSE stream: chunks, the usage chunk when asked for, an error frame if it fails, then [DONE]."""
@@ -141,7 +152,7 @@ class Completion:
         try:
             async with aclosing(self._outputs()) as outputs:
                 async for prompt_index, output in outputs:
-                    for piece in self._apply(prompt_index, output):
+                    for piece in await self._take(prompt_index, output):
                         yield sse.data(self._chunk([piece], with_usage))
             self.finished = True
             if with_usage:
@@ -162,14 +173,31 @@ class Completion:
             chunk["obfuscation"] = secrets.token_urlsafe(1 + secrets.randbelow(16))
         return chunk
 
+    async def _take(self, prompt_index: int, output: RequestOutput) -> list[dict[str, Any]]:
+        """_apply; a prompt's first output, which brings every choice its echoed prompt or prompt logprobs, is folded
+        in on a worker thread, so the event loop serves other requests meanwhile."""
+        if not self.echoes_prompt or self.prompts[prompt_index].started_at is not None:
+            return self._apply(prompt_index, output)
+        self._raise_for(output)
+        self.on_started(prompt_index)
+        return await asyncio.to_thread(self._fold, prompt_index, output)
+
     def _apply(self, prompt_index: int, output: RequestOutput) -> list[dict[str, Any]]:
+        self._raise_for(output)
+        self.on_started(prompt_index)
+        return self._fold(prompt_index, output)
+
+    def _raise_for(self, output: RequestOutput) -> None:
         if output.error is not None:
             if output.lost:
                 raise engine_lost()
+            if output.grammar_failed:  # the grammar passed its check but outgrew the matcher as the text grew
+                raise _unusable_guide(self.request, output.error)
             if not self.engine.is_healthy():
                 raise service_unavailable("The engine stopped while serving this request; please retry.", RETRY_AFTER_S)
-            raise server_error(f"The engine failed on this request: {output.error}")
-        self.on_started(prompt_index)
+            raise server_error(f"The engine failed on this request: {guided.reason(output.error)}")
+
+    def _fold(self, prompt_index: int, output: RequestOutput) -> list[dict[str, Any]]:
         prompt = self.prompts[prompt_index]
         prompt.saw(output, time.monotonic())
         prompt.cached_tokens = max(prompt.cached_tokens, output.num_cached_tokens)
@@ -288,6 +316,11 @@ async def prepare_guides(request: CompletionRequest, engine: Engine) -> None:
         await asyncio.to_thread(guided.ll_tokenizer, engine.tokenizer)
     except GuideError:
         pass  # Completion's own check turns it into the 400 that names the field
+
+
+def _unusable_guide(request: CompletionRequest, why: str) -> APIError:
+    param = "structured_outputs" if request.structured_outputs is not None else "response_format"
+    return invalid_request(f"'{param}' cannot be used: {guided.reason(why)}", param)
 
 
 def _ignore(prompt_index: int) -> None:

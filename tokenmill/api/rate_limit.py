@@ -8,6 +8,13 @@ charged up front; what the sequences did not generate is refunded when it ends, 
 usage's total_tokens whether it streamed or not. A request larger than a limit itself gets a 429 that says so and
 has no Retry-After, since no wait lets it through.
 
+Tokenising costs the server too, so it is paid for before it is done: once a request's body is checked, the request
+and the fewest tokens its prompts can be (limits.TextBound: from their length, without tokenising) are charged
+(Quota.prepay), and the rest of its tokens once they are known. A request refused after that point (a 429 for the
+rest, or a 400 that only its tokens or its grammar reveal) keeps what it prepaid, as OpenAI counts failed requests
+against a limit: a limited key cannot have text tokenised faster than its limits allow. A 400 the body alone shows,
+or a 429 before the prepayment, costs nothing.
+
 Keys and user names are held only as hashes. A bucket that is full again is the same as no bucket, so full ones are
 dropped and memory follows the users active within one period. Everything runs on the event loop: no locks.
 """
@@ -117,9 +124,10 @@ class RateLimiter:
         """Raise the 429 a request would get for lack of requests, charging nothing (its tokens are not known yet)."""
         self._fitting(key, user, tokens=0)
 
-    def acquire(self, key: str, user: str | None, tokens: int) -> None:
-        """Charge one request and `tokens` to every bucket of `key` and `user`, or raise 429 and charge none."""
-        for bucket_id, bucket, cost in self._fitting(key, user, tokens):
+    def acquire(self, key: str, user: str | None, tokens: int, requests: int = 1, whole: int | None = None) -> None:
+        """Charge `requests` and `tokens` to every bucket of `key` and `user`, or raise 429 and charge none.
+        `whole`: the request's whole token cost, when part of it was charged before (past a capacity it never fits)."""
+        for bucket_id, bucket, cost in self._fitting(key, user, tokens, requests, whole):
             bucket.level -= cost
             self._buckets[bucket_id] = bucket
 
@@ -144,13 +152,16 @@ class RateLimiter:
             result[f"x-ratelimit-reset-{dimension}"] = duration(tightest.reset_s)
         return result
 
-    def _fitting(self, key: str, user: str | None, tokens: int) -> list[tuple[BucketId, Bucket, int]]:
+    def _fitting(
+        self, key: str, user: str | None, tokens: int, requests: int = 1, whole: int | None = None
+    ) -> list[tuple[BucketId, Bucket, int]]:
         """Every bucket of this request with its cost, once all of them have room; else the 429."""
         now = self._now()
-        entries = [(i, self._bucket(i, now), _cost(i, 1, tokens)) for i in self._bucket_ids(key, user)]
-        for (limit, _, _), bucket, cost in entries:
-            if cost > bucket.capacity:
-                raise _too_large(limit, cost)
+        entries = [(i, self._bucket(i, now), _cost(i, requests, tokens)) for i in self._bucket_ids(key, user)]
+        for bucket_id, bucket, cost in entries:
+            size = _cost(bucket_id, requests, tokens if whole is None else whole)
+            if size > bucket.capacity:
+                raise _too_large(bucket_id[0], size)
         short = [(bucket.wait_s(cost), bucket_id[0], bucket, cost) for bucket_id, bucket, cost in entries]
         short = [entry for entry in short if entry[0] > 0]
         if short:
@@ -225,10 +236,23 @@ class Quota:
         if self.limiter is not None:
             self.limiter.check(self.key, self.user)
 
+    def prepay(self, tokens: int) -> None:
+        """Before its prompts are tokenised: charge the request and `tokens`, the fewest its prompts can be (429,
+        charging nothing, if they do not fit). Whatever refuses the request after this, the charge stays."""
+        self.acquire(tokens)
+
     def acquire(self, tokens: int) -> None:
-        if self.limiter is not None:
+        """Its whole token budget, `tokens`: charged, or what is left of it once prepaid (429 if that does not fit;
+        what was prepaid stays charged)."""
+        if self.limiter is None:
+            return
+        if self._charged is None:
             self.limiter.acquire(self.key, self.user, tokens)
-            self._charged = tokens
+        elif tokens > self._charged:
+            self.limiter.acquire(self.key, self.user, tokens - self._charged, requests=0, whole=tokens)
+        elif tokens < self._charged:
+            self.limiter.refund(self.key, self.user, 0, self._charged - tokens)
+        self._charged = tokens
 
     def cancel(self) -> None:
         """The request never ran (the server refused it): it costs nothing."""
