@@ -29,7 +29,13 @@ ALLOWED: dict[str, set[str]] = {
 # a part that may use only some modules of another: what it runs on, never how that part is put together
 ONLY_MODULES: dict[tuple[str, str], set[str]] = {
     ("engine", "model"): {"causal_lm", "attention", "model_config"},  # the model's interface, no family's classes
-    ("api", "engine"): {"outputs", "sampling", "guided", "content_filter"},  # values and checks, never the engine
+    ("api", "engine"): {
+        "outputs",
+        "sampling",
+        "guided",
+        "content_filter",
+        "stop",
+    },  # values and checks, never the engine
 }
 # third-party modules a part must not use: the HTTP edge never touches tensors
 FORBIDDEN_LIBRARIES = {"api": {"torch", "numpy"}}

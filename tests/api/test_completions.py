@@ -43,9 +43,9 @@ PROMPT_FORMS: list[tuple[Any, list[list[int]]]] = [
     ("ab", [TOK.encode("ab")]),
     (["ab", "c"], [TOK.encode("ab"), TOK.encode("c")]),
     (TOK.encode("ab"), [TOK.encode("ab")]),
-    # token ids without the BOS this tokenizer starts every text with: the model reads one before them
-    (TOK.encode("ab", add_special_tokens=False), [TOK.encode("ab")]),
-    ([TOK.encode("ab"), [7]], [TOK.encode("ab"), [TOK.bos_id, 7]]),
+    # token ids without the BOS this tokenizer starts every text with: read as sent, as OpenAI and vLLM read them
+    (TOK.encode("ab", add_special_tokens=False), [TOK.encode("ab", add_special_tokens=False)]),
+    ([TOK.encode("ab"), [7]], [TOK.encode("ab"), [7]]),
     ("", [[TOK.bos_id]]),
     (None, [[TOK.bos_id]]),
 ]
@@ -84,6 +84,29 @@ def test_max_tokens_zero_with_echo_returns_the_prompt(client: TestClient) -> Non
     assert out["choices"][0]["text"] == "Hello"
     assert out["choices"][0]["finish_reason"] == "length"
     assert out["usage"]["completion_tokens"] == 0
+
+
+def test_add_bos_to_token_prompts_puts_bos_before_ids_without_it(engine: FakeEngine) -> None:
+    """--add-bos-to-token-prompts: the model reads a BOS the client did not send; echo and its logprobs show only the
+    ids sent (lm-evaluation-harness's remote tokenizer sends ids without BOS)."""
+    bare = TOK.encode("Hi", add_special_tokens=False)
+    with TestClient(create_app(engine, Config(add_bos_to_token_prompts=True))) as client:
+        out = complete(client, prompt=[bare, TOK.encode("Hi")], echo=True, logprobs=0, max_tokens=0)
+        assert [ids for _, ids, _ in engine.requests] == [TOK.encode("Hi"), TOK.encode("Hi")]
+        first, second = out["choices"]
+        assert first["text"] == "Hi" and first["logprobs"]["tokens"] == ["H", "i"]
+        assert first["logprobs"]["token_logprobs"] == [-2.0, -2.0]  # the unseen BOS gave "H" its context
+        assert second["text"] == "<bos>Hi" and second["logprobs"]["tokens"] == ["<bos>", "H", "i"]
+        assert out["usage"]["prompt_tokens"] == 6  # what the model read
+
+
+def test_token_prompt_without_bos_is_scored_as_sent(client: TestClient, engine: FakeEngine) -> None:
+    """By default the first id sent has no context: its logprob is null, as OpenAI's and vLLM's are."""
+    bare = TOK.encode("Hi", add_special_tokens=False)
+    choice = complete(client, prompt=bare, echo=True, logprobs=0, max_tokens=0, return_token_ids=True)["choices"][0]
+    assert [ids for _, ids, _ in engine.requests] == [bare]
+    assert choice["prompt_token_ids"] == bare
+    assert choice["text"] == "Hi" and choice["logprobs"]["token_logprobs"] == [None, -2.0]
 
 
 def test_echo_prepends_the_prompt(client: TestClient) -> None:

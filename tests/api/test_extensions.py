@@ -141,6 +141,39 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(client: TestClient) -> Non
     assert only(out)["text"][3:] == only(tail)["text"] != ""
 
 
+def test_return_tokens_as_token_ids_names_tokens_and_alternatives_by_id(client: TestClient) -> None:
+    fields = {"logprobs": 3, "echo": True, "return_token_ids": True, "max_tokens": 4}
+    by_text = only(complete(client, **fields))
+    by_id = only(complete(client, return_tokens_as_token_ids=True, **fields))
+    ids = by_id["prompt_token_ids"] + by_id["token_ids"]
+    assert by_id["logprobs"]["tokens"] == [f"token_id:{i}" for i in ids]
+    assert by_id["logprobs"]["token_logprobs"] == by_text["logprobs"]["token_logprobs"]
+    assert by_id["logprobs"]["text_offset"] == by_text["logprobs"]["text_offset"]  # still indexes the text
+    assert by_id["text"] == by_text["text"]
+    for top in by_id["logprobs"]["top_logprobs"][1:]:
+        assert top and all(key.startswith("token_id:") and key[9:].isdigit() for key in top)
+        assert 3 <= len(top) <= 4  # ids never merge, as texts may
+
+
+def test_truncation_side_right_keeps_the_first_tokens(client: TestClient) -> None:
+    fields = {"truncate_prompt_tokens": 3, "return_token_ids": True, "echo": True, "max_tokens": 2}
+    out = complete(client, prompt=[byte(c) for c in "abcdefgh"], truncation_side="right", **fields)
+    assert out["usage"]["prompt_tokens"] == 3
+    assert only(out)["prompt_token_ids"] == [byte(c) for c in "abc"] and only(out)["text"].startswith("abc")
+    left = complete(client, prompt=[byte(c) for c in "abcdefgh"], truncation_side="left", **fields)
+    assert only(left)["prompt_token_ids"] == [byte(c) for c in "fgh"]
+
+
+def test_cache_salt_shares_cached_prompt_blocks_only_with_the_same_salt(client: TestClient) -> None:
+    prompt = "A salted prompt long enough to fill several blocks of the prefix cache: " * 2
+    cached = [
+        complete(client, prompt=prompt, max_tokens=1, **salt)["usage"]["prompt_tokens_details"]["cached_tokens"]
+        for salt in ({"cache_salt": "tenant-a"}, {"cache_salt": "tenant-a"}, {"cache_salt": "tenant-b"}, {})
+    ]
+    assert cached[0] == 0 and cached[1] > 0  # the same salt: the blocks the first one computed
+    assert cached[2] == 0 and cached[3] == 0  # another salt, or none: nothing of tenant-a's
+
+
 def test_return_token_ids_stream_equals_non_stream(client: TestClient) -> None:
     fields = {"model": TINY_MODEL, "prompt": ["Hi", "Yo"], "max_tokens": 6, "temperature": 0, "return_token_ids": True}
     whole = client.post("/v1/completions", json=fields).json()
@@ -238,6 +271,10 @@ def test_prompt_logprobs_stream_once_per_choice(client: TestClient) -> None:
         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
         ({"truncate_prompt_tokens": 2, "suffix": "x"}, "truncate_prompt_tokens"),
         ({"return_token_ids": 1}, "return_token_ids"),
+        ({"truncate_prompt_tokens": 2, "truncation_side": "middle"}, "truncation_side"),
+        ({"cache_salt": ""}, "cache_salt"),
+        ({"cache_salt": 7}, "cache_salt"),
+        ({"return_tokens_as_token_ids": "yes"}, "return_tokens_as_token_ids"),
         ({"prompt_logprobs": 21}, "prompt_logprobs"),
         ({"prompt_logprobs": -1}, "prompt_logprobs"),
     ],

@@ -28,6 +28,11 @@ EXTENSIONS = (  # vLLM's names, after the reference's fields
     "structured_outputs",
     "response_format",
     "prompt_logprobs",
+    "return_tokens_as_token_ids",
+    "use_beam_search",
+    "length_penalty",
+    "truncation_side",
+    "cache_salt",
 )
 
 

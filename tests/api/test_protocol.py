@@ -183,3 +183,24 @@ def test_cross_field_errors_are_api_errors_even_outside_http() -> None:
     with pytest.raises(APIError) as caught:
         parse_request(CompletionRequest, b'{"model": "m", "prompt": "x", "n": 3, "best_of": 2}')
     assert (caught.value.status, caught.value.param) == (400, "best_of")
+
+
+@pytest.mark.parametrize(
+    ("fields", "quoted"),
+    [
+        ({"temperature": 3.5}, "(got 3.5)"),
+        ({"n": "two"}, '(got "two")'),
+        ({"echo": 1}, "(got 1)"),
+        ({"logit_bias": {"--5": 1}}, 'got "--5"'),
+        ({"user": 7}, "(got 7)"),
+    ],
+)
+def test_a_bad_value_is_quoted_in_the_message(client: TestClient, fields: dict[str, Any], quoted: str) -> None:
+    response = client.post("/v1/completions", json=body(**fields))
+    assert response.status_code == 400 and quoted in response.json()["error"]["message"]
+
+
+def test_a_long_bad_value_is_quoted_short(client: TestClient) -> None:
+    response = client.post("/v1/completions", json=body(n="x" * 100_000))
+    message = response.json()["error"]["message"]
+    assert response.status_code == 400 and "xxx" in message and len(message) < 200

@@ -120,10 +120,23 @@ def test_disconnect_mid_stream_frees_the_kv_blocks() -> None:
     assert stats["tokens_computed"] >= 2 * 6 + stats["steps"] - 2  # both prompts (<bos> + 5 bytes), then decodes
 
 
-def test_token_ids_without_bos_are_read_with_the_bos_the_model_needs_and_echoed_as_sent(client: TestClient) -> None:
-    sent = [NUM_SPECIAL + b for b in b"Hello there"]  # no BOS, as evaluation harnesses send them
-    with_bos = complete(client, prompt=[BOS, *sent], echo=True, logprobs=1, max_tokens=0)
-    without = complete(client, prompt=sent, echo=True, logprobs=1, max_tokens=0)
+def test_token_ids_are_read_as_sent(client: TestClient) -> None:
+    """Without BOS, the first id sent has no context: a null logprob (OpenAI's and vLLM's contract)."""
+    sent = [NUM_SPECIAL + b for b in b"Hello there"]
+    out = complete(client, prompt=sent, echo=True, logprobs=1, max_tokens=0, return_token_ids=True)
+    choice = out["choices"][0]
+    assert choice["prompt_token_ids"] == sent and out["usage"]["prompt_tokens"] == len(sent)
+    assert choice["text"] == "Hello there" == "".join(choice["logprobs"]["tokens"])
+    assert choice["logprobs"]["token_logprobs"][0] is None
+
+
+def test_add_bos_to_token_prompts_scores_ids_after_the_bos_the_model_needs() -> None:
+    """--add-bos-to-token-prompts: ids without BOS are read after one (as evaluation harnesses need) and echoed as
+    sent, each scored exactly as the same ids sent with the BOS."""
+    sent = [NUM_SPECIAL + b for b in b"Hello there"]  # no BOS, as lm-evaluation-harness's remote tokenizer sends them
+    with TestClient(create_app(tiny_engine(), Config(add_bos_to_token_prompts=True))) as client:
+        with_bos = complete(client, prompt=[BOS, *sent], echo=True, logprobs=1, max_tokens=0)
+        without = complete(client, prompt=sent, echo=True, logprobs=1, max_tokens=0)
     lp, full = without["choices"][0]["logprobs"], with_bos["choices"][0]["logprobs"]
     assert without["choices"][0]["text"] == "Hello there" == "".join(lp["tokens"])  # exactly what was sent
     assert lp["token_logprobs"] == full["token_logprobs"][1:]  # scored after the BOS: the first one too

@@ -2,7 +2,7 @@
 
 The engines (one per model served, keyed by model id: a request's `model` picks one) and the metrics live on
 `app.state`, never in a module global, so tests build the app around a fake engine. Every request passes the access
-log (outermost), the API-key check, then the envelope guard.
+log (outermost), CORS, the API-key check, then the envelope guard.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -35,6 +36,7 @@ from tokenmill.api.access_log import (
 )
 from tokenmill.api.admission import RETRY_AFTER_S, Admission
 from tokenmill.api.completions import Completion, prepare_guides
+from tokenmill.api.cors import cors_options
 from tokenmill.api.engine_protocol import Engine
 from tokenmill.api.errors import APIError
 from tokenmill.api.guard import RequestGuard
@@ -50,7 +52,7 @@ from tokenmill.engine.content_filter import ContentFilter
 logger = logging.getLogger(__name__)
 
 # reachable without the API key: liveness probes, and the playground page (whose API calls still need it)
-PUBLIC_PATHS = frozenset({"/health"}) | web.PAGE_PATHS
+PUBLIC_PATHS = frozenset({"/health", "/health/"}) | web.PAGE_PATHS
 METRICS_PATH = "/metrics"  # public too with --metrics-public
 
 T = TypeVar("T")
@@ -65,6 +67,7 @@ def create_app(engines: Engine | Sequence[Engine], config: Config) -> FastAPI:
         raise ValueError(f"two models are served as the same id ({[e.model_name for e in served]}): name them apart")
     app.state.config = config
     app.state.created = int(time.time())
+    app.state.roots = dict(zip(app.state.engines, config.model_roots, strict=False))  # model cards' `root`
     app.state.admission = Admission.from_config(config)
     app.state.limits = RequestLimits.from_config(config)
     app.state.content_filter = ContentFilter.from_file(config.content_filter) if config.content_filter else None
@@ -84,6 +87,7 @@ def create_app(engines: Engine | Sequence[Engine], config: Config) -> FastAPI:
     if config.api_key:
         public = PUBLIC_PATHS | {METRICS_PATH} if config.metrics_public else PUBLIC_PATHS
         app.add_middleware(BearerAuth, keys=config.api_key, public=public)
+    app.add_middleware(CORSMiddleware, **cors_options(config))  # outside the key check: preflights carry no key
     routes = [*router.routes, *web.router.routes]  # what the access log and /metrics name a request by
     app.add_middleware(AccessLog, metrics=app.state.metrics, routes=routes)  # last added: the outermost
     return app
@@ -172,9 +176,10 @@ async def _complete(request: Request, quota: Quota, arrived: float) -> Response:
     least = limits.check_unprepared(body, await _text_bound(limits, engine), engine.max_model_len)
     quota.prepay(least)  # tokenising is paid for, even when what it finds refuses the request
     await prepare_guides(body, engine)
+    bos = state.config.add_bos_to_token_prompts
 
     def prepared() -> Completion:
-        return Completion(body, engine, limits, state.content_filter, arrived_at=arrived)
+        return Completion(body, engine, limits, state.content_filter, arrived_at=arrived, bos_before_ids=bos)
 
     completion = await asyncio.to_thread(prepared)  # tokenising and the grammar's check, off the event loop
     quota.acquire(completion.token_budget)
@@ -265,12 +270,15 @@ async def retrieve_model(request: Request, model_id: str) -> dict[str, Any]:
 
 
 def _model_card(request: Request, engine: Engine) -> dict[str, Any]:
+    state = request.app.state
+    root = state.roots.get(engine.model_name, engine.model_name)
     return protocol.model_card(
-        engine.model_name, request.app.state.created, engine.max_model_len, engine.tokenizer.supports_fim
+        engine.model_name, state.created, engine.max_model_len, engine.tokenizer.supports_fim, root
     )
 
 
 @router.get("/health")
+@router.get("/health/", include_in_schema=False)
 async def health(request: Request) -> dict[str, Any]:
     """200 while every model can serve; behind replicas (cluster/) also each model's replica count, and "degraded"
     while one has fewer replicas running than it should (it still serves)."""

@@ -8,9 +8,10 @@ This is how vLLM runs it too. The search hands back one RequestOutput at its end
 so echo, logprobs, streaming and usage work as for any completion.
 
 A beam ends at an end token (EOS, unless ignore_eos, or a stop token id) or a stop string; finished beams are ranked
-with the live ones at the end by cumulative log-probability / generated length ** length_penalty (Hugging Face's and
-vLLM's score; an end token is not counted in the length). The search stops early, as Hugging Face's does, once `width`
-beams have finished and no live beam can score better than the worst of them.
+with the live ones at the end by cumulative log-probability / generated length ** length_penalty, the end token
+counted, as `transformers` scores them (vLLM leaves the end token out and counts the prompt). The search stops early,
+as `transformers`' does by default, once `width` beams have finished and no live beam can score better than the
+worst of them.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from tokenmill.api.engine_protocol import Engine
+from tokenmill.api.logprobs import InContext
 from tokenmill.engine.content_filter import ContentFilter
-from tokenmill.engine.detok import IncrementalDetokenizer
 from tokenmill.engine.outputs import FinishReason, RequestOutput, SequenceDelta, TokenLogprob
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.engine.stop import StopChecker
@@ -42,7 +43,6 @@ class Beam:
     cumulative: float = 0.0
     finish: FinishReason | None = None
     stop_reason: int | str | None = None
-    ended_by_token: bool = False  # its last token is the end token (not counted in its length)
     text: str = ""  # with a stop string: the text up to it (or through it); otherwise decoded at the end
 
     def grown(self, step: TokenLogprob) -> Beam:
@@ -50,8 +50,7 @@ class Beam:
         return Beam(self.token_ids + (step.token_id,), self.steps + (step,), self.cumulative + step.logprob)
 
     def score(self, length_penalty: float) -> float:
-        length = max(len(self.token_ids) - self.ended_by_token, 1)
-        return self.cumulative / length**length_penalty
+        return self.cumulative / max(len(self.token_ids), 1) ** length_penalty
 
 
 class BeamSearchOutputs:
@@ -194,7 +193,7 @@ class _Search:
         token = beam.token_ids[-1]
         if token in self.ends:
             reason = token if token in self.params.stop_token_ids else None
-            return dataclasses.replace(beam, finish=FinishReason.STOP, stop_reason=reason, ended_by_token=True)
+            return dataclasses.replace(beam, finish=FinishReason.STOP, stop_reason=reason)
         if self.params.stop:
             checker = StopChecker(self.params.stop, self.params.include_stop_str_in_output)
             text = checker.feed(self._decode(beam.token_ids))
@@ -234,7 +233,7 @@ class _Search:
     def _delta(self, index: int, beam: Beam) -> SequenceDelta:
         """The beam as one choice: each token's text as the detokeniser releases it (so the texts join up to the
         choice's text), its alternatives cut to the `logprobs` asked for."""
-        detok = IncrementalDetokenizer(self.engine.tokenizer, self.prompt_ids, self.params.skip_special_tokens)
+        detok = InContext(self.engine.tokenizer, self.prompt_ids, self.params.skip_special_tokens)
         pieces = [detok.add(token) for token in beam.token_ids]
         if pieces:
             pieces[-1] += detok.flush()

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from tokenmill.api import protocol, sse
 from tokenmill.api.admission import RETRY_AFTER_S
+from tokenmill.api.beam_search import BeamSearch, BeamSearchOutputs
 from tokenmill.api.choice import Choice
 from tokenmill.api.engine_protocol import Engine, Tokenizer
 from tokenmill.api.errors import (
@@ -62,6 +63,7 @@ class Completion:
         limits: RequestLimits | None = None,
         content_filter: ContentFilter | None = None,
         arrived_at: float | None = None,
+        bos_before_ids: bool = False,
     ) -> None:
         self.arrived_at = time.monotonic() if arrived_at is None else arrived_at  # when the request came in
         self.admitted_at: float | None = None  # set by whoever admits it (the app)
@@ -88,7 +90,11 @@ class Completion:
                 raise _unusable_guide(request, str(exc)) from None
         self.limits.check_counts(len(prompt_items(request.prompt)), self.params.n)
         capped = self.limits.capped(engine.tokenizer, request, engine.max_model_len)  # stops at the limits
-        self.prompts = prepare_prompts(request, capped, engine.max_model_len, self.params.max_tokens)
+        beam = request.beam_search
+        self.beam = BeamSearch(*beam) if beam is not None else None
+        if self.beam is not None:  # the search keeps its beams itself: the engine sees one sequence at a time
+            self.params = dataclasses.replace(self.params, n=request.num_choices)
+        self.prompts = prepare_prompts(request, capped, engine.max_model_len, self.params.max_tokens, bos_before_ids)
         if content_filter is not None:
             check_content(request, self.prompts, engine.tokenizer, content_filter)
         self.limits.check_prompt_tokens([len(p.token_ids) for p in self.prompts])
@@ -101,7 +107,12 @@ class Completion:
             system_fingerprint=engine.system_fingerprint,
         )
         width, echo, ids = self.params.n, bool(request.echo), bool(request.return_token_ids)
-        view = TokenView(engine.tokenizer, self.params.skip_special_tokens, self.params.content_filter)
+        view = TokenView(
+            engine.tokenizer,
+            self.params.skip_special_tokens,
+            self.params.content_filter,
+            bool(request.return_tokens_as_token_ids),
+        )
         self.choices = [
             Choice(p * width + j, prompt, echo, self._builder(prompt, view), ids, request.prompt_logprobs, view)
             for p, prompt in enumerate(self.prompts)
@@ -283,11 +294,14 @@ class Completion:
         queues each at once, so a burst's requests reach it as each is admitted, not once the event loop has started
         each one's response; the outputs are read when the response is."""
         if self._generators is None:
-            self._generators = [
-                self.engine.generate(f"{self.meta.id}-{i}", prompt.token_ids, self._params_for(prompt))
-                for i, prompt in enumerate(self.prompts)
-            ]
+            self._generators = [self._generate(f"{self.meta.id}-{i}", prompt) for i, prompt in enumerate(self.prompts)]
         return self._generators
+
+    def _generate(self, request_id: str, prompt: Prompt) -> AsyncIterator[RequestOutput]:
+        params = self._params_for(prompt)
+        if self.beam is None:
+            return self.engine.generate(request_id, prompt.token_ids, params)
+        return BeamSearchOutputs(self.engine, request_id, prompt.token_ids, params, self.beam, params.content_filter)
 
     def close(self) -> None:
         """Whatever of it still runs in the engine is aborted (a stream whose client left before it began reading;

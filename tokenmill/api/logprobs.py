@@ -39,6 +39,7 @@ class TokenView:
     decoder: Decoder
     skip_special_tokens: bool = True
     content_filter: ContentFilter | None = None
+    as_token_ids: bool = False  # vLLM's return_tokens_as_token_ids: tokens and alternatives named "token_id:N"
 
 
 def finite(logprob: float) -> float:
@@ -231,10 +232,12 @@ class LogprobsBuilder:
     ) -> dict[str, list[Any]]:
         fragment = empty_logprobs()
         for token, string in zip(tokens, strings, strict=True):
-            entry = token.entry
-            fragment["tokens"].append(string)
+            entry, shown = token.entry, _shown(token, string, checker)
+            if self.view.as_token_ids:  # named by id; text_offset still indexes the text
+                shown = _named_by_id(shown)
+            fragment["tokens"].append(shown.text)
             fragment["token_logprobs"].append(None if entry.logprob is None else finite(entry.logprob))
-            fragment["top_logprobs"].append(top_logprobs(_shown(token, string, checker), self.top_k))
+            fragment["top_logprobs"].append(top_logprobs(shown, self.top_k))
             fragment["text_offset"].append(self.offset)
             self.offset += len(string)
             if checker is not None:
@@ -255,6 +258,17 @@ def _shown(token: _Token, string: str, checker: AlternativesChecker | None) -> T
             continue
         top.append((token_id, in_context if _REPLACEMENT in text else text, logprob))
     return dataclasses.replace(token.entry, text=string, top=top)
+
+
+def token_id_name(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
+def _named_by_id(entry: TokenLogprob) -> TokenLogprob:
+    """vLLM's return_tokens_as_token_ids: a token and its alternatives as "token_id:N", so that tokens whose text is
+    ambiguous (half a character, or several ids with one text) stay apart."""
+    top = [(token_id, token_id_name(token_id), logprob) for token_id, _, logprob in entry.top]
+    return dataclasses.replace(entry, text=token_id_name(entry.token_id), top=top)
 
 
 def vllm_prompt_logprobs(

@@ -43,8 +43,14 @@ class Prompt:
 
 
 def prepare_prompts(
-    request: CompletionRequest, tokenizer: Tokenizer, max_model_len: int, max_tokens: int
+    request: CompletionRequest,
+    tokenizer: Tokenizer,
+    max_model_len: int,
+    max_tokens: int,
+    bos_before_ids: bool = False,
 ) -> list[Prompt]:
+    """`bos_before_ids` (--add-bos-to-token-prompts): a token-id prompt of a model that starts every text with BOS
+    gets one, unseen by the client, when it does not start with it."""
     _check_in_vocabulary([int(key) for key in request.logit_bias or {}], tokenizer.vocab_size, "logit_bias")
     _check_in_vocabulary(request.stop_token_ids or [], tokenizer.vocab_size, "stop_token_ids")
     _check_in_vocabulary(request.allowed_token_ids or [], tokenizer.vocab_size, "allowed_token_ids")
@@ -53,7 +59,8 @@ def prepare_prompts(
         prompts = [_infill_prompt(item, request.suffix, tokenizer) for item in items]
     else:
         with_text = bool(request.echo) or request.logprobs is not None  # echo returns it; text_offset counts it
-        prompts = [_prompt(item, tokenizer, with_text, request.truncate_prompt_tokens) for item in items]
+        keep = Truncation(request.truncate_prompt_tokens, request.truncation_side or "left")
+        prompts = [_prompt(item, tokenizer, with_text, keep, bos_before_ids) for item in items]
     for prompt in prompts:
         if len(prompt.token_ids) + max_tokens > max_model_len:
             raise context_length_exceeded(max_model_len, len(prompt.token_ids), max_tokens)
@@ -76,25 +83,40 @@ def _check_in_vocabulary(ids: Sequence[int], vocab_size: int, param: str) -> Non
         raise invalid_request(f"'{param}' token id {bad} is outside the vocabulary [0, {vocab_size})", param)
 
 
-def _prompt(item: str | list[int], tokenizer: Tokenizer, with_text: bool, keep_last: int | None = None) -> Prompt:
-    """A text prompt gets BOS as the tokenizer adds it. A token-id prompt is read as sent, but for a model that
-    starts every text with BOS, one is put before ids that do not start with it, unseen by the client (echo and its
-    logprobs are the tokens sent): evaluation harnesses send ids without it (lm-evaluation-harness's remote tokenizer
-    asks for no special tokens), and the model scores text it was never trained to see without it.
+@dataclass(frozen=True)
+class Truncation:
+    tokens: int | None  # truncate_prompt_tokens: the most prompt tokens kept; None: all
+    side: str  # truncation_side: "left" drops the first tokens, "right" the last
 
-    `with_text`: a token-id (or truncated) prompt's text is decoded, for echo and text_offset. `keep_last`
-    (truncate_prompt_tokens): only the last tokens the model would read are kept; echo then returns their text."""
+
+def _prompt(
+    item: str | list[int], tokenizer: Tokenizer, with_text: bool, keep: Truncation, bos_before_ids: bool
+) -> Prompt:
+    """A text prompt gets BOS as the tokenizer adds it. A token-id prompt is read exactly as sent, as OpenAI and vLLM
+    read it: whoever tokenised it chose its special tokens. With `bos_before_ids`, a model that starts every text with
+    BOS gets one before ids that do not start with it, unseen by the client (echo and its logprobs are the tokens
+    sent): lm-evaluation-harness's remote tokenizer sends ids without it, and the model scores text it was never
+    trained to see without it.
+
+    `with_text`: a token-id (or truncated) prompt's text is decoded, for echo and text_offset. `keep`
+    (truncate_prompt_tokens, truncation_side): only the last (or first) tokens the model would read are kept; echo
+    then returns their text."""
     if isinstance(item, str):
         ids, text, hidden = tokenizer.encode(item) or _document_start(tokenizer), item, 0
     else:
         _check_in_vocabulary(item, tokenizer.vocab_size, "prompt")
         bos = tokenizer.bos_id
-        added = [bos] if bos is not None and item[0] != bos and tokenizer.add_bos else []
+        wanted = bos_before_ids and bos is not None and item[0] != bos and tokenizer.add_bos
+        added = [bos] if wanted and bos is not None else []
         ids, text, hidden = added + list(item), tokenizer.decode(item) if with_text else "", len(added)
-    if keep_last is not None and len(ids) > keep_last:
-        cut = len(ids) - keep_last
-        ids, hidden = ids[cut:], max(hidden - cut, 0)
-        text = tokenizer.decode(ids) if with_text else ""
+    if keep.tokens is not None and len(ids) > keep.tokens:
+        if keep.side == "left":  # the end of a prompt is what the model continues from: vLLM's default
+            cut = len(ids) - keep.tokens
+            ids, hidden = ids[cut:], max(hidden - cut, 0)
+        else:
+            ids = ids[: keep.tokens]
+            hidden = min(hidden, len(ids))
+        text = tokenizer.decode(ids[hidden:]) if with_text else ""
     return Prompt(ids, text, hidden=hidden)
 
 

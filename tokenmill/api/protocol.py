@@ -7,6 +7,7 @@ honour is rejected with a 400 naming it (unknown fields included), never silentl
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -181,6 +182,24 @@ class CompletionRequest(_Strict):
         " and those of the k likeliest tokens, keyed by token id"
     )
 
+    return_tokens_as_token_ids: bool | None = _ext(
+        "logprobs name every token and alternative 'token_id:N' rather than by its text (text_offset still indexes"
+        " the text)"
+    )
+    use_beam_search: bool | None = _ext(
+        "beam search: the n likeliest continuations (max(n, best_of) beams kept each step), ranked by cumulative"
+        " logprob / length ** length_penalty; deterministic"
+    )
+    length_penalty: Annotated[float, Field(ge=-10.0, le=10.0)] | None = _ext(
+        "with use_beam_search: the exponent of the length that divides a beam's cumulative logprob (default 1)"
+    )
+    truncation_side: Literal["left", "right"] | None = _ext(
+        "with truncate_prompt_tokens: left (the default) drops the prompt's first tokens, right its last ones"
+    )
+    cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)] | None = _ext(
+        "cached prompt blocks are shared only among requests that send the same salt"
+    )
+
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_shape(cls, value: Any) -> Any:
@@ -219,7 +238,11 @@ class CompletionRequest(_Strict):
             )
         for key in value or {}:
             if len(key) > MAX_TOKEN_ID_DIGITS or not TOKEN_ID_KEY.fullmatch(key):
-                raise PydanticCustomError("logit_bias", "'logit_bias' keys must be token ids (integers as strings)")
+                raise PydanticCustomError(
+                    "logit_bias",
+                    "'logit_bias' keys must be token ids (integers as strings), got {key}",
+                    {"key": json.dumps(key[: MAX_TOKEN_ID_DIGITS + 1])},
+                )
         return value
 
     @model_validator(mode="after")
@@ -239,11 +262,44 @@ class CompletionRequest(_Strict):
             raise invalid_request(
                 "'structured_outputs' and 'response_format' both constrain the text: send one", "response_format"
             )
+        if self.use_beam_search:
+            self._check_beam_search()
+        elif self.length_penalty is not None:
+            raise invalid_request("'length_penalty' needs 'use_beam_search'", "length_penalty")
         if self.truncate_prompt_tokens is not None and self.suffix is not None:
             raise invalid_request(
                 "'truncate_prompt_tokens' cannot cut a fill-in-the-middle prompt ('suffix')", "truncate_prompt_tokens"
             )
         return self
+
+    def _check_beam_search(self) -> None:
+        """Beam search ranks beams by the model's own log-probabilities and keeps the likeliest: a field that would
+        sample, reshape or constrain the distribution has no meaning in it, and is refused rather than ignored."""
+        sampling = {
+            "temperature": self.temperature not in (None, 0.0),  # the search is greedy by construction
+            "top_p": self.top_p not in (None, 1.0),
+            "top_k": self.top_k not in (None, 0, -1),
+            "min_p": self.min_p not in (None, 0.0),
+            "presence_penalty": self.presence_penalty not in (None, 0.0),
+            "frequency_penalty": self.frequency_penalty not in (None, 0.0),
+            "repetition_penalty": self.repetition_penalty not in (None, 1.0),
+            "logit_bias": bool(self.logit_bias),
+            "allowed_token_ids": self.allowed_token_ids is not None,
+            "bad_words": bool(self.bad_words),
+            "min_tokens": bool(self.min_tokens),
+            "structured_outputs": self.structured_outputs is not None,
+            "response_format": self.response_format is not None and self.response_format.type != "text",
+        }
+        refused = next((name for name, sent in sampling.items() if sent), None)
+        if refused is not None:
+            raise invalid_request(f"'{refused}' cannot be used with 'use_beam_search'", refused)
+
+    @property
+    def beam_search(self) -> tuple[int, float] | None:
+        """(beams kept each step, length penalty) with use_beam_search; None without."""
+        if not self.use_beam_search:
+            return None
+        return self.num_candidates, self.length_penalty if self.length_penalty is not None else 1.0
 
     # --- resolved values: user value → OpenAI default -----------------------------------------------------------
     @property
@@ -312,6 +368,7 @@ class CompletionRequest(_Strict):
             logprobs=self.logprobs,
             prompt_logprobs=self.prompt_top_k,
             n=self.num_candidates,
+            cache_salt=self.cache_salt,
         )
 
 
@@ -376,7 +433,23 @@ def api_error_from_validation(errors: Sequence[ErrorDetails | dict[str, Any]], l
         name = ".".join(loc)
         return invalid_request(f"Missing required parameter: '{name}'.", name)
     param = loc[0]
-    return invalid_request(f"Invalid value for '{param}': {first.get('msg', 'invalid value')}", param)
+    message = f"Invalid value for '{param}': {first.get('msg', 'invalid value')}"
+    return invalid_request(message + _quoted(first.get("input", _NOTHING)), param)
+
+
+_NOTHING = object()
+MAX_QUOTED_CHARS = 80  # a bad value is quoted up to this, so that a huge one cannot make a huge error
+
+
+def _quoted(value: Any) -> str:
+    """The bad value as JSON, as vLLM's messages quote it: scalars only (a list or object is named, not copied)."""
+    if value is _NOTHING or isinstance(value, (dict, list)):
+        return ""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return ""
+    return f" (got {text if len(text) <= MAX_QUOTED_CHARS else text[: MAX_QUOTED_CHARS - 1] + '…'})"
 
 
 # --- responses: every wire shape is built here ---------------------------------------------------------------------
@@ -436,13 +509,16 @@ def completion_chunk(
     return chunk
 
 
-def model_card(model_id: str, created: int, max_model_len: int, supports_suffix: bool) -> dict[str, Any]:
-    """OpenAI's model object, plus vLLM's max_model_len and whether `suffix` (fill-in-the-middle) works."""
+def model_card(model_id: str, created: int, max_model_len: int, supports_suffix: bool, root: str) -> dict[str, Any]:
+    """OpenAI's model object, plus vLLM's `root` (what it was loaded from: a path, or the package that carries it),
+    `parent` (null: not an adapter), max_model_len, and whether `suffix` (fill-in-the-middle) works."""
     return {
         "id": model_id,
         "object": "model",
         "created": created,
         "owned_by": "tokenmill",
+        "root": root,
+        "parent": None,
         "max_model_len": max_model_len,
         "supports_suffix": supports_suffix,
     }
