@@ -1,15 +1,17 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.api.api_helpers import MODEL, body
+from tests.api.api_helpers import MODEL, body, parse_sse
 from tests.api.fake_engine import SCRIPT, CharTokenizer, FakeEngine, scripted_text, token_logprob
+from tokenmill.api import choice as choice_module
 from tokenmill.api.app import create_app
-from tokenmill.api.logprobs import MIN_LOGPROB
+from tokenmill.api.logprobs import MIN_LOGPROB, LogprobsBuilder
 from tokenmill.config import Config
 
 TOK = CharTokenizer()
@@ -245,3 +247,33 @@ def test_sampling_params_reach_the_engine(client: TestClient, engine: FakeEngine
     params = engine.requests[0][2]
     assert (params.temperature, params.top_p, params.seed, params.stop) == (0.0, 0.5, 3, ("z",))
     assert (params.logit_bias, params.logprobs, params.prompt_logprobs) == ({9: -100.0}, 2, 2)
+
+
+def test_a_prompts_logprobs_are_worked_out_once_for_all_its_choices(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """n choices of one prompt carry the same echo logprobs and prompt_logprobs: made once per prompt, not per choice
+    (n × a long prompt's alternatives is the work and memory a request could multiply)."""
+    calls: Counter[str] = Counter()
+    real_prompt, real_vllm = LogprobsBuilder.prompt, choice_module.vllm_prompt_logprobs
+
+    def counted_prompt(self: LogprobsBuilder, *args: Any, **kwargs: Any) -> Any:
+        calls["echo"] += 1
+        return real_prompt(self, *args, **kwargs)
+
+    def counted_vllm(*args: Any, **kwargs: Any) -> Any:
+        calls["prompt_logprobs"] += 1
+        return real_vllm(*args, **kwargs)
+
+    monkeypatch.setattr(LogprobsBuilder, "prompt", counted_prompt)
+    monkeypatch.setattr(choice_module, "vllm_prompt_logprobs", counted_vllm)
+    fields = {"echo": True, "logprobs": 2, "prompt_logprobs": 3, "max_tokens": 2, "n": 4}
+    out = complete(client, prompt=["Hi", "Yo"], **fields)
+    assert calls == {"echo": 2, "prompt_logprobs": 2}
+    first, *others = out["choices"][:4]
+    for choice in others:
+        assert choice["prompt_logprobs"] == first["prompt_logprobs"]
+        assert choice["logprobs"]["tokens"][:3] == first["logprobs"]["tokens"][:3]
+    streamed = parse_sse(client.post("/v1/completions", json=body(prompt="Hi", stream=True, **fields)).text)
+    echoed = [c for event in streamed[:-1] for c in event["choices"] if "prompt_logprobs" in c]
+    assert len(echoed) == 4 and all(c["prompt_logprobs"] == first["prompt_logprobs"] for c in echoed)

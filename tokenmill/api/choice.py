@@ -3,8 +3,9 @@ pieces (a stream chunk's choice, or the whole choice of a response)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from tokenmill.api import protocol
 from tokenmill.api.errors import server_error
@@ -19,6 +20,7 @@ from tokenmill.api.logprobs import (
 from tokenmill.api.prompts import Prompt
 from tokenmill.engine.outputs import FinishReason, SequenceDelta, TokenLogprob
 
+T = TypeVar("T")
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CONTENT_FILTER: "content_filter"}
 
 
@@ -75,10 +77,7 @@ class Choice:
             extras = {"prompt_token_ids": self.prompt.token_ids} if first else {}
             extras["token_ids"] = token_ids
         if self.prompt_logprobs is not None and first:
-            hidden = self.prompt.token_ids[: self.prompt.hidden]
-            extras["prompt_logprobs"] = vllm_prompt_logprobs(
-                self.prompt.echoed_logprobs, self.prompt_logprobs, self.view, hidden
-            )
+            extras["prompt_logprobs"] = self._once("prompt_logprobs", self._vllm_prompt_logprobs)
         return protocol.choice(self.index, text, logprobs, self.finish_reason, self.stop_reason, extras)
 
     def _logprobs_fragment(self, entries: list[TokenLogprob], text: str) -> dict[str, list[Any]] | None:
@@ -87,13 +86,30 @@ class Choice:
             return None
         fragment = empty_logprobs()
         if self.echo_pending:
+            builder = self.builder
+            if "echo" in self.prompt.shared:
+                builder.after_prompt(self.prompt.text)
             hidden = self.prompt.token_ids[: self.prompt.hidden]
-            extend_logprobs(fragment, self.builder.prompt(self.prompt.echoed_logprobs, self.prompt.text, hidden))
+            echoed = self._once("echo", lambda: builder.prompt(self.prompt.echoed_logprobs, self.prompt.text, hidden))
+            extend_logprobs(fragment, echoed)
         extend_logprobs(fragment, self.builder.generated(entries, text, final=self.finish_reason is not None))
         if self.logprobs is None:
             self.logprobs = empty_logprobs()
         extend_logprobs(self.logprobs, fragment)
         return fragment
+
+    def _once(self, key: str, make: Callable[[], T]) -> T:
+        """What every choice of this prompt writes alike, made by the first one that needs it: a prompt's logprobs
+        are worked out once, not once per choice (n × a long prompt's alternatives)."""
+        if key not in self.prompt.shared:
+            self.prompt.shared[key] = make()
+        made: T = self.prompt.shared[key]
+        return made
+
+    def _vllm_prompt_logprobs(self) -> list[dict[str, dict[str, Any]] | None]:
+        assert self.prompt_logprobs is not None
+        hidden = self.prompt.token_ids[: self.prompt.hidden]
+        return vllm_prompt_logprobs(self.prompt.echoed_logprobs, self.prompt_logprobs, self.view, hidden)
 
     @property
     def mean_logprob(self) -> float:

@@ -197,9 +197,14 @@ class LogprobsBuilder:
         if tokens:
             tokens[-1].text += reader.flush()
         fragment = self._render(tokens, fit([t.text for t in tokens], prompt_text), self._checker(""))
+        self.after_prompt(prompt_text)
+        return fragment
+
+    def after_prompt(self, prompt_text: str) -> None:
+        """Where the echoed prompt leaves the choice (what prompt() does besides its fragment, for a choice that takes
+        the fragment another choice of the same prompt made)."""
         self.offset = len(prompt_text)
         self.checker = self._checker(prompt_text)  # with echo, generated alternatives read after the prompt
-        return fragment
 
     def generated(self, entries: Iterable[TokenLogprob], text: str = "", final: bool = False) -> dict[str, Any]:
         """The next generated tokens and the text that came with them; `final`: the choice's last."""

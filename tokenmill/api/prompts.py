@@ -4,7 +4,8 @@ check that can refuse them with a 400 before the engine is called (vocabulary, c
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from tokenmill.api import protocol
 from tokenmill.api.engine_protocol import Tokenizer
@@ -25,6 +26,8 @@ class Prompt:
     first_token_at: float | None = None
     last_token_at: float | None = None
     finished_at: float | None = None
+    # what its choices write of it once (echo's logprobs, prompt_logprobs), made by the first, shared by the rest
+    shared: dict[str, Any] = field(default_factory=dict)
 
     def saw(self, output: RequestOutput, now: float) -> None:
         """Note when an output arrived: the first one, and those that brought tokens or the end."""
