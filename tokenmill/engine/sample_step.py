@@ -1,5 +1,5 @@
-"""One step's sampling around the sampler: which logits rows to compute, which rows are unusable, and a batch that
-fails row by row instead of as a whole.
+"""One step's sampling around the sampler: which logits rows to compute, which rows are unusable, the grammar masks
+(one for each distinct grammar state), and a batch that fails row by row instead of as a whole.
 
 sampler.py is the pure pipeline over a batch of logits; this module is what the core needs to feed it from the
 model's hidden states while keeping a fault inside one row. It only reports (per-row results, rows at fault); the core
@@ -9,12 +9,17 @@ decides which requests fail.
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from tokenmill.engine.sampler import Sampled, SampleInput, sample
 from tokenmill.model.causal_lm import HeadSummary
+
+if TYPE_CHECKING:
+    from tokenmill.engine.guided import Guide
+    from tokenmill.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +59,24 @@ def greedy_keep(row: SampleInput) -> list[int] | None:
         return None
     touched = row.touched()
     return sorted(touched) if touched is not None else None
+
+
+def guided_masks(seqs: Seq[Sequence]) -> list[torch.Tensor | None]:
+    """Each sequence's grammar mask for this step (None: no grammar). A matcher's state is its grammar and the tokens
+    it has taken, so sequences alike in both share one mask: a request's n choices right after their fork, and any
+    that have generated the same tokens since. Each mask is a pass over the vocabulary, not worth repeating."""
+    masks: dict[tuple[Guide, tuple[int, ...]], torch.Tensor] = {}
+    out: list[torch.Tensor | None] = []
+    for seq in seqs:
+        if seq.guided is None or seq.params.guide is None:
+            out.append(None)
+            continue
+        state = (seq.params.guide, tuple(seq.token_ids[seq.num_prompt_tokens :]))
+        mask = masks.get(state)
+        if mask is None:
+            mask = masks[state] = seq.guided.allowed()
+        out.append(mask)
+    return out
 
 
 def non_finite_rows(logits: torch.Tensor, summary: HeadSummary | None = None) -> list[int]:

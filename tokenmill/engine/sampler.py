@@ -19,6 +19,7 @@ from collections.abc import Sequence as Seq
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tokenmill.engine.sampling import SamplingParams
@@ -122,7 +123,7 @@ def adjusted(logits: torch.Tensor, rows: Seq[SampleInput]) -> Iterator[torch.Ten
     counts: list[int] = []
     frequency: list[float] = []
     presence: list[float] = []
-    allowed = [(i, r.params.allowed_token_ids) for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
+    allowed = [(i, disallowed(r.params, vocab)) for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
     masked = [(i, r.mask) for i, r in enumerate(rows) if r.mask is not None]
     for i, r in enumerate(rows):
         bias_at.extend(i * vocab + token for token in r.params.logit_bias)
@@ -144,10 +145,8 @@ def adjusted(logits: torch.Tensor, rows: Seq[SampleInput]) -> Iterator[torch.Ten
     saved = flat[touched]  # a copy
     dtype = logits.dtype
     try:
-        for i, ids in allowed:
-            keep = torch.zeros(vocab, dtype=torch.bool)
-            keep[list(ids)] = True
-            logits[i].masked_fill_(~keep, -torch.inf)
+        for i, left_out in allowed:
+            logits[i].masked_fill_(left_out, -torch.inf)
         for i, mask in masked:
             logits[i].masked_fill_(~mask, -torch.inf)
         if bias_at:
@@ -166,6 +165,19 @@ def adjusted(logits: torch.Tensor, rows: Seq[SampleInput]) -> Iterator[torch.Ten
         flat[touched] = saved
         for i, row in saved_rows.items():
             logits[i] = row
+
+
+def disallowed(params: SamplingParams, vocab: int) -> torch.Tensor:
+    """(vocab,) bool: True for each token that allowed_token_ids leaves out. Made once for a SamplingParams and width
+    and kept in it, so a request's choices and prompts share one (its ids can number a million), not one a row a step."""
+    key = f"disallowed/{vocab}"
+    mask = params.derived.get(key)
+    if not isinstance(mask, torch.Tensor):
+        ids = params.allowed_token_ids or ()
+        mask = torch.ones(vocab, dtype=torch.bool)
+        mask[torch.from_numpy(np.fromiter(ids, dtype=np.int64, count=len(ids)))] = False
+        params.derived[key] = mask
+    return mask
 
 
 def _from_head_argmax(processed: torch.Tensor, rows: Seq[SampleInput], greedy: list[int]) -> dict[int, int]:

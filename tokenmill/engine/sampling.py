@@ -57,6 +57,12 @@ class SamplingParams:
     n: int = 1
     # Starts the prefix cache's hash chain: only requests with the same salt share cached KV blocks (vLLM's).
     cache_salt: str | None = None
+    # Sequences with the same key share one fair turn in the scheduler (the edge gives each HTTP request its own, so
+    # all its prompts and choices are one); None: this engine request alone.
+    fairness_key: str | None = None
+    # What the sampler derives from these fields once for every sequence that samples with them (allowed_token_ids
+    # as a vocabulary mask): not a setting, and a replace() starts it empty.
+    derived: dict[str, object] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def greedy(self) -> bool:
