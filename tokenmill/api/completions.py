@@ -106,6 +106,8 @@ class Completion:
             model=engine.model_name,
             system_fingerprint=engine.system_fingerprint,
         )
+        # the engine shares its steps fairly between requests: every prompt and choice of this one is one turn
+        self.params = dataclasses.replace(self.params, fairness_key=self.meta.id)
         width, echo, ids = self.params.n, bool(request.echo), bool(request.return_token_ids)
         view = TokenView(
             engine.tokenizer,
