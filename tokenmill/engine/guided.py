@@ -5,19 +5,22 @@ Each constrained sequence holds an llguidance matcher. Before each of its steps 
 the text inside the grammar (EOS only where the grammar is complete); the sampler masks every other token to -inf;
 the chosen token is fed back. A sequence whose grammar admits nothing more ends with finish_reason "stop".
 
-llguidance needs the tokenizer's own description (its tokenizer.json) to map tokens to bytes: built once per
-tokenizer, on the first constrained request (about 2 s for a 262k vocabulary), and kept.
+llguidance needs each token's bytes and a way to tokenise: built once per tokenizer, on the first constrained request,
+and kept. It is handed them as a TokenizerWrapper (token_bytes below) rather than as the tokenizer.json it would parse
+itself: parsing holds the interpreter, and so every request, for seconds on a 262k vocabulary, where the bytes are
+worked out in Python, which lets other threads run, and the rest holds it for a fraction of that.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from llguidance import LLMatcher, LLTokenizer
+from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 from llguidance.gbnf_to_lark import any_to_lark
 
 GuideKind = Literal["json", "regex", "grammar"]
@@ -76,9 +79,71 @@ def ll_tokenizer(tokenizer: Any) -> LLTokenizer:
             if backend is None:
                 raise GuideError("this model's tokenizer cannot drive structured outputs (no tokenizer.json)")
             eos = list(tokenizer.eos_ids)
-            ll = LLTokenizer(backend.to_str(), n_vocab=tokenizer.vocab_size, eos_token=eos)
+            wrapped = TokenizerWrapper(_Vocabulary(tokenizer))
+            # the mask's slices apart: two shorter holds of the interpreter than one
+            ll = LLTokenizer(wrapped, n_vocab=tokenizer.vocab_size, eos_token=eos, slices=[])
+            ll = ll.with_slices(LLTokenizer.general_slices())
             cached = _tokenizers[key] = (tokenizer, ll)
         return cached[1]
+
+
+class _Vocabulary:
+    """What llguidance's TokenizerWrapper reads of a tokenizer: every token's bytes, the special ones, and encode."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokens, self.special_token_ids = token_bytes(tokenizer.backend, tokenizer.vocab_size)
+        self.eos_token_id = tokenizer.eos_id
+        self.bos_token_id = tokenizer.bos_id
+        self._backend = tokenizer.backend
+
+    def __call__(self, text: str) -> list[int]:
+        if not isinstance(text, str):  # the wrapper asks once whether bytes are taken: they are not
+            raise TypeError("text, not bytes")
+        ids: list[int] = self._backend.encode(text, add_special_tokens=False).ids
+        return ids
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_SPACE = "\u2581"  # SentencePiece's ▁
+
+
+def token_bytes(backend: Any, vocab_size: int) -> tuple[list[bytes], list[int]]:
+    """Each token's bytes as llguidance reads them from a tokenizer.json, and the special tokens' ids. A byte-level
+    vocabulary (GPT-2's, Llama 3's, Qwen's) spells bytes as printable characters; a SentencePiece one spells a space
+    as ▁ and a byte as <0xNN>; an added token is its own text."""
+    added = {token.content: token.special for token in backend.get_added_tokens_decoder().values()}
+    byte_level = "ByteLevel" in repr(backend.decoder)
+    unbyte = {char: byte for byte, char in _bytes_to_unicode().items()}
+    tokens: list[bytes] = []
+    specials: list[int] = []
+    for token_id in range(vocab_size):
+        text = backend.id_to_token(token_id)
+        if text is None:
+            tokens.append(b"")
+        elif text in added:
+            if added[text]:
+                specials.append(token_id)
+            tokens.append(text.replace(_SPACE, " ").encode())
+        elif byte_level:
+            tokens.append(bytes(unbyte[char] for char in text))
+        elif match := _BYTE_TOKEN.fullmatch(text):
+            tokens.append(bytes([int(match.group(1), 16)]))
+        else:
+            tokens.append(text.replace(_SPACE, " ").encode())
+    return tokens, specials
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable spelling of each byte: printable Latin-1 as itself, the others from U+0100 on."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    spelled, extra = dict.fromkeys(range(256), ""), 0
+    for byte in range(256):
+        if byte in keep:
+            spelled[byte] = chr(byte)
+        else:
+            spelled[byte] = chr(256 + extra)
+            extra += 1
+    return spelled
 
 
 def check(guide: Guide, tokenizer: Any) -> None:
