@@ -84,7 +84,7 @@ def test_the_quantised_paths_follow_the_float_model(files: Files, tmp_path: Path
 
 def test_greedy_completion_over_http_equals_transformers_generate(files: Files) -> None:
     reference = files.reference
-    prompt = [BOS, *IDS[:11].tolist()]  # as the tiny tokenizer starts every text (without it, the server adds it)
+    prompt = [BOS, *IDS[:11].tolist()]  # as the tiny tokenizer starts every text
     eos = [1, 6]  # the tiny tokenizer's generation_config: the server stops at either, so does generate
     with torch.no_grad():
         generated = reference.generate(
@@ -99,11 +99,18 @@ def test_greedy_completion_over_http_equals_transformers_generate(files: Files) 
     with TestClient(create_app(engine, config)) as client:
         response = client.post(
             "/v1/completions",
-            json={"model": engine.model_name, "prompt": prompt, "max_tokens": 10, "temperature": 0, "logprobs": 0},
+            json={
+                "model": engine.model_name,
+                "prompt": prompt,
+                "max_tokens": 10,
+                "temperature": 0,
+                "logprobs": 0,
+                "return_tokens_as_token_ids": True,  # the tokens themselves, not the text each one adds
+            },
         )
     assert response.status_code == 200, response.text
     logprobs = response.json()["choices"][0]["logprobs"]
-    assert logprobs["tokens"] == [engine.tokenizer.decode([i]) for i in generated]
+    assert logprobs["tokens"] == [f"token_id:{i}" for i in generated]
     torch.testing.assert_close(torch.tensor(logprobs["token_logprobs"]), expected, atol=1e-3, rtol=0)
 
 
