@@ -73,7 +73,7 @@ class Config:
         (), "how several models share --kv-cache-mb: one weight per --model, in order; default: evenly"
     )
     max_num_seqs: int = _opt(64, "most sequences decoded in one step")
-    max_num_batched_tokens: int = _opt(1024, "token budget of one engine step (prefill chunks + decodes)")
+    max_num_batched_tokens: int = _opt(512, "token budget of one engine step (prefill chunks + decodes)")
     max_num_prefills: int = _opt(
         4, "most prompts prefilled in one step (a burst is taken a few at a time: earlier first tokens)"
     )

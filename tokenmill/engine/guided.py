@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -29,6 +30,7 @@ JSON_DEFAULTS: Any = {"whitespace_flexible": False}
 # the largest constraint taken, as llguidance reads it (a schema's JSON, a regex): llguidance builds and checks a
 # grammar holding the interpreter, in time and memory that grow with it, so a larger one is refused before it starts
 MAX_GUIDE_CHARS = 1 << 18
+BETWEEN_HOLDS_S = 0.05
 MAX_REASON_CHARS = 300  # llguidance's errors quote the whole grammar: a client gets the first line, this long
 
 
@@ -80,8 +82,10 @@ def ll_tokenizer(tokenizer: Any) -> LLTokenizer:
                 raise GuideError("this model's tokenizer cannot drive structured outputs (no tokenizer.json)")
             eos = list(tokenizer.eos_ids)
             wrapped = TokenizerWrapper(_Vocabulary(tokenizer))
-            # the mask's slices apart: two shorter holds of the interpreter than one
+            # the mask's slices apart: two shorter holds of the interpreter than one, with a pause between them in
+            # which the event loop can finish what the first held up (a /health, say) before the second starts
             ll = LLTokenizer(wrapped, n_vocab=tokenizer.vocab_size, eos_token=eos, slices=[])
+            time.sleep(BETWEEN_HOLDS_S)
             ll = ll.with_slices(LLTokenizer.general_slices())
             cached = _tokenizers[key] = (tokenizer, ll)
         return cached[1]
