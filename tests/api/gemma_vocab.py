@@ -9,17 +9,23 @@ from tests.api.api_helpers import TINY_MODEL
 from tests.engine.tiny import tiny_config
 from tests.tiny_model import VOCAB_PAD, tiny_tokenizer
 from tokenmill.config import Config
+from tokenmill.engine.core import EngineCore
 from tokenmill.engine.engine import AsyncEngine
 from tokenmill.model.gemma3 import Gemma3ForCausalLM
 from tokenmill.server.engine_core import build_engine_core
 
 
-def gemma_vocab_engine() -> AsyncEngine:
-    """Served as TINY_MODEL, not yet started."""
+def gemma_vocab_core() -> EngineCore:
+    """The tiny random model over the Gemma-shaped vocabulary (which llguidance can read), as an engine core."""
     torch.manual_seed(0)
     model = Gemma3ForCausalLM(tiny_config(VOCAB_PAD))
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.3)
     config = Config(dtype="float32", block_size=4, num_kv_blocks=256, max_num_seqs=16, max_num_batched_tokens=64)
-    return AsyncEngine(build_engine_core(model.eval(), tiny_tokenizer(), config), TINY_MODEL, "fp_tiny")
+    return build_engine_core(model.eval(), tiny_tokenizer(), config)
+
+
+def gemma_vocab_engine() -> AsyncEngine:
+    """Served as TINY_MODEL, not yet started."""
+    return AsyncEngine(gemma_vocab_core(), TINY_MODEL, "fp_tiny")

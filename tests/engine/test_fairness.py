@@ -13,16 +13,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tests.engine.tiny import TOK, choice_tokens, greedy, run_all, tiny_config, tiny_core
-from tests.tiny_model import VOCAB_PAD, tiny_tokenizer
-from tokenmill.config import Config
+from tests.api.gemma_vocab import gemma_vocab_core
+from tests.engine.tiny import TOK, choice_tokens, greedy, run_all, tiny_core
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.guided import Guide, GuidedState
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.engine.scheduler import MAX_GUIDED_ROWS, fair_shares
-from tokenmill.model.gemma3 import Gemma3ForCausalLM
-from tokenmill.server.engine_core import build_engine_core
 
 STEPS_BEFORE = 2  # steps the heavy request runs alone before the bystander arrives
 WITHIN = 4  # steps in which the bystander must finish
@@ -115,20 +112,9 @@ def test_allowed_token_ids_are_read_once_for_all_choices_and_steps() -> None:
     assert allowed.reads == 1  # made into a mask once, for 8 choices × 6 steps
 
 
-def guided_core() -> EngineCore:
-    """The tiny model over tests/tiny_model.py's Gemma-shaped vocabulary, which llguidance can read."""
-    torch.manual_seed(0)
-    model = Gemma3ForCausalLM(tiny_config(VOCAB_PAD))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.3)
-    config = Config(dtype="float32", block_size=4, num_kv_blocks=256, max_num_seqs=16, max_num_batched_tokens=64)
-    return build_engine_core(model.eval(), tiny_tokenizer(), config)
-
-
 def test_one_requests_grammar_masks_are_shared_and_capped_a_step(monkeypatch: pytest.MonkeyPatch) -> None:
     params = SamplingParams(max_tokens=10, temperature=1.0, seed=9, n=16, guide=Guide("regex", "[a-z]+( [a-z]+)*"))
-    alone = guided_core()
+    alone = gemma_vocab_core()
     alone.add_request("masked", [2, 300, 301], params)
     expected = run_all(alone)["masked"]
     masks_in_step: list[int] = []
@@ -139,7 +125,7 @@ def test_one_requests_grammar_masks_are_shared_and_capped_a_step(monkeypatch: py
         return allowed(self)
 
     monkeypatch.setattr(GuidedState, "allowed", counted)
-    core = guided_core()
+    core = gemma_vocab_core()
     step = core.step
 
     def counting_step() -> list[RequestOutput]:
