@@ -22,6 +22,8 @@ from tests.e2e.server import MODEL, Reference, Server, serve
 
 TASK_DIR = Path(__file__).parent / "lm_eval_task"
 TOLERANCE = 1e-4  # per-item log-likelihood, fp32 server vs fp32 transformers
+# 160 scored requests a run: minutes on a quiet machine, several times that on a loaded one, which is slow, not wrong
+pytestmark = pytest.mark.timeout(1800)
 
 
 def task_config() -> dict[str, Any]:
