@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.engine.test_guided_tokenizer import assert_same_view
+from tests.engine.guided_views import assert_same_view
 
 
 def test_gemma_vocabulary(default_weights: Any) -> None:
