@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import Any
 
 from tokenmill.api.engine_protocol import Engine
 from tokenmill.api.logprobs import InContext
-from tokenmill.engine.content_filter import ContentFilter
 from tokenmill.engine.outputs import FinishReason, RequestOutput, SequenceDelta, TokenLogprob
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.engine.stop import StopChecker
@@ -53,19 +53,18 @@ class Beam:
         return self.cumulative / max(len(self.token_ids), 1) ** length_penalty
 
 
+def beam_search(
+    engine: Engine, request_id: str, prompt_ids: list[int], params: SamplingParams, search: BeamSearch
+) -> BeamSearchOutputs:
+    """One prompt's beam search, started when its outputs are first read."""
+    return BeamSearchOutputs(_Search(engine, request_id, prompt_ids, params, search).output)
+
+
 class BeamSearchOutputs:
     """The engine outputs of one prompt's beam search: one RequestOutput, at the end. close() aborts the search."""
 
-    def __init__(
-        self,
-        engine: Engine,
-        request_id: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        search: BeamSearch,
-        content_filter: ContentFilter | None = None,
-    ) -> None:
-        self._run = _Search(engine, request_id, prompt_ids, params, search, content_filter)
+    def __init__(self, run: Callable[[], Coroutine[Any, Any, RequestOutput]]) -> None:
+        self._run = run
         self._task: asyncio.Task[RequestOutput] | None = None
         self._done = False
 
@@ -76,7 +75,7 @@ class BeamSearchOutputs:
         if self._done:
             raise StopAsyncIteration
         if self._task is None:
-            self._task = asyncio.ensure_future(self._run.output())
+            self._task = asyncio.ensure_future(self._run())
         try:
             return await asyncio.shield(self._task)  # a cancelled reader (a timeout) leaves close() to end it
         finally:
@@ -102,10 +101,9 @@ class _Search:
         prompt_ids: list[int],
         params: SamplingParams,
         search: BeamSearch,
-        content_filter: ContentFilter | None,
     ) -> None:
         self.engine, self.request_id, self.prompt_ids = engine, request_id, list(prompt_ids)
-        self.params, self.search, self.content_filter = params, search, content_filter
+        self.params, self.search, self.content_filter = params, search, params.content_filter
         self.ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(engine.tokenizer.eos_ids))
         # one token of the model's own distribution and its alternatives: nothing of the request's own ending rules
         self.step_params = dataclasses.replace(

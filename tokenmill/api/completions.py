@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from tokenmill.api import protocol, sse
 from tokenmill.api.admission import RETRY_AFTER_S
-from tokenmill.api.beam_search import BeamSearch, BeamSearchOutputs
+from tokenmill.api.beam_search import BeamSearch, beam_search
 from tokenmill.api.choice import Choice
 from tokenmill.api.engine_protocol import Engine, Tokenizer
 from tokenmill.api.errors import (
@@ -303,7 +303,7 @@ class Completion:
         params = self._params_for(prompt)
         if self.beam is None:
             return self.engine.generate(request_id, prompt.token_ids, params)
-        return BeamSearchOutputs(self.engine, request_id, prompt.token_ids, params, self.beam, params.content_filter)
+        return beam_search(self.engine, request_id, prompt.token_ids, params, self.beam)
 
     def close(self) -> None:
         """Whatever of it still runs in the engine is aborted (a stream whose client left before it began reading;
