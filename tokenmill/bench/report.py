@@ -15,7 +15,7 @@ HF_NOTE = (
 )
 
 
-def rows(concurrency: Sequence[int]) -> list[tuple[str, str, str]]:
+def rows(concurrency: Sequence[int], prefill: Sequence[int] = ()) -> list[tuple[str, str, str]]:
     """(figure key, label, unit) in the order the table prints them."""
     table = [
         ("decode_tok_s", "single-stream decode", "tok/s"),
@@ -23,6 +23,7 @@ def rows(concurrency: Sequence[int]) -> list[tuple[str, str, str]]:
         ("weights_read_mb", "weights read per token", "MB"),
         ("ttft_s", "single-stream TTFT", "ms"),
     ]
+    table += [(f"prefill{n}_tok_s", f"prefill, {n:,}-token prompt", "tok/s") for n in prefill]
     for c in concurrency:
         clients = f"{c} client" + ("s" if c != 1 else "")
         table += [
@@ -79,11 +80,11 @@ def format_value(value: float | None, unit: str) -> str:
     return f"{value:.1f}" if value < 1000 else f"{value:.0f}"
 
 
-def format_table(systems: dict[str, Figures], concurrency: Sequence[int]) -> str:
+def format_table(systems: dict[str, Figures], concurrency: Sequence[int], prefill: Sequence[int] = ()) -> str:
     ratio_table = ratios(systems)
     header = ["figure", "unit", *systems, *ratio_table]
     body = []
-    for key, label, unit in rows(concurrency):
+    for key, label, unit in rows(concurrency, prefill):
         if all(figures.get(key) is None for figures in systems.values()):
             continue
         cells = [format_value(figures.get(key), unit) for figures in systems.values()]

@@ -22,7 +22,7 @@ from typing import Any
 
 import aiohttp
 
-from tokenmill.bench import bandwidth, hf_baseline, load, report, synthetic
+from tokenmill.bench import bandwidth, hf_baseline, load, real_models, report, synthetic
 from tokenmill.bench.flags import ALL_PEERS
 from tokenmill.bench.ik_llama import ik_llama_binary, ik_llama_server_spec
 from tokenmill.bench.llama_server import (
@@ -67,6 +67,7 @@ def run_bench(args: argparse.Namespace) -> int:
             args.ik_llama_server = ik_llama_binary(args.ik_llama_server)
         if args.synthetic:
             args.model = str(_synthetic_file(args))
+        args.model = real_models.resolve_model(args.model, args.llama_server_dir.parent / "models")
         results = bench_external(args) if args.url else bench_managed(args)
     except (NotLoopbackError, ServerStartError, aiohttp.ClientError) as exc:
         print(f"tokenmill bench: {exc}", file=sys.stderr)
@@ -74,7 +75,8 @@ def run_bench(args: argparse.Namespace) -> int:
     print()
     if "memory_read_gb_s" in results["meta"]:
         print(report.bandwidth_line(results["meta"]))
-    print(report.format_table(results["figures"], results["meta"]["table_concurrency"]))
+    meta = results["meta"]
+    print(report.format_table(results["figures"], meta["table_concurrency"], meta["settings"]["prefill_tokens"]))
     for line in report.notes_for(results["figures"]):
         print(line)
     for note in results["notes"]:
@@ -105,6 +107,7 @@ def load_settings(args: argparse.Namespace) -> LoadSettings:
         level_timeout_s=args.level_timeout,
         request_timeout_s=args.request_timeout,
         api_key=args.api_key,
+        prefill_tokens=tuple(args.prefill_tokens),
     )
 
 
@@ -381,7 +384,7 @@ def system_figures(system: dict[str, Any]) -> Figures:
 
 def _pass_figures(one_pass: dict[str, Any]) -> Figures:
     if "levels" in one_pass:  # a server pass
-        figures = flat_figures(one_pass["single"], one_pass["levels"])
+        figures = flat_figures(one_pass["single"], one_pass["levels"], one_pass.get("prefill", ()))
         if one_pass.get("weight_bytes_per_token"):
             figures["weights_read_mb"] = one_pass["weight_bytes_per_token"] / 1e6
         return figures
@@ -409,6 +412,9 @@ def notes(systems: dict[str, dict[str, Any]]) -> list[str]:
                     out.append(f"{where}: {part['early_stops']} requests stopped before max_tokens (counted as sent)")
                 if part.get("tokens_exact") is False:
                     out.append(f"{where}: token counts estimated from stream chunks (no usage, early stop)")
+            for prefill in one_pass.get("prefill", ()):
+                if prefill["error"]:
+                    out.append(f"{name}, round {i + 1}, {prefill['length']}-token prefill failed: {prefill['error']}")
     return out
 
 

@@ -90,12 +90,16 @@ def median_of_rounds(rounds: Sequence[dict[str, float | None]]) -> dict[str, flo
     return merged
 
 
-def flat_figures(single: dict[str, Any] | None, levels: Sequence[dict[str, Any]]) -> dict[str, float | None]:
-    """The figures the report compares, under stable flat names (c16_agg_tok_s, c16_ttft_p50_s, ...)."""
+def flat_figures(
+    single: dict[str, Any] | None, levels: Sequence[dict[str, Any]], prefill: Sequence[dict[str, Any]] = ()
+) -> dict[str, float | None]:
+    """The figures the report compares, under stable flat names (c16_agg_tok_s, c16_ttft_p50_s, prefill512_tok_s...)."""
     figures: dict[str, float | None] = {}
     if single is not None:
         figures["decode_tok_s"] = single["decode_tok_s"]
         figures["ttft_s"] = single["ttft_s"]
+    for one in prefill:
+        figures[f"prefill{one['length']}_tok_s"] = one["tok_s"]
     for level in levels:
         c = level["concurrency"]
         for key in ("agg_tok_s", "latency_p50_s", "latency_p99_s", "ttft_p50_s", "ttft_p99_s"):
