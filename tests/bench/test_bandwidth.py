@@ -8,10 +8,12 @@ import math
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 import torch
 
 from tests.bench.fake_openai import FakeOpenAI
+from tests.gguf_writer import write_gguf_file
 from tests.tiny_model import write_tiny_gguf
 from tokenmill.bench import bandwidth, run
 from tokenmill.bench.load import LoadSettings, bench_url
@@ -33,6 +35,16 @@ def test_a_gguf_files_weight_bytes_are_its_tensors_data(tmp_path: Path, quantize
     path = write_tiny_gguf(tmp_path / "tiny.gguf", quantize=quantize)
     expected = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)  # the gguf package's own count
     assert bandwidth.gguf_weight_bytes(str(path)) == expected > 0
+
+
+def test_a_table_beside_a_head_of_its_own_is_not_read_whole(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    tensors = [
+        (name, rng.standard_normal((64, 32), dtype=np.float32)) for name in ("token_embd.weight", "output.weight")
+    ]
+    tensors.append(("blk.0.ffn_up.weight", rng.standard_normal((16, 32), dtype=np.float32)))
+    path = write_gguf_file(tmp_path / "untied.gguf", "llama", lambda w: None, tensors)
+    assert bandwidth.gguf_weight_bytes(str(path)) == (64 * 32 + 16 * 32) * 4
 
 
 def test_the_limit_is_bandwidth_over_bytes() -> None:

@@ -3,7 +3,7 @@
 A single-stream decode step reads every weight once, so on a memory-bound CPU a token cannot take less time than the
 bytes of weights ÷ the read bandwidth. The bench measures the bandwidth just before and just after each server's
 single-stream runs, with the servers idle, and reports, per server, the share of that limit its single-stream decode
-reaches for the bytes the GGUF file holds, against the figures around its own runs: on a shared machine the bandwidth
+reaches for the bytes a step reads from the GGUF file, against the figures around its own runs: on a shared machine the bandwidth
 drifts by the minute (by a third and more within a quarter of an hour), so a figure from another moment, let alone
 another day, would not do.
 """
@@ -47,11 +47,15 @@ def measure_read_gb_s(
 
 
 def gguf_weight_bytes(path: str) -> int:
-    """The bytes of tensor data a GGUF file holds: what a decoder reading each weight once per token reads."""
+    """The bytes of tensor data a decode step reads from a GGUF file: every tensor once, except a token embedding
+    table beside a head of its own (`output.weight`), of which a step reads one row per token (llama.cpp's
+    get_rows, tokenmill's lookup); a tied table is the head and is read whole."""
     from tokenmill.model.loading.gguf_file import read_gguf_file
 
     _, tensors = read_gguf_file(path)
-    return sum(t.data.nbytes for t in tensors)
+    names = {t.name for t in tensors}
+    untied = "output.weight" in names
+    return sum(t.data.nbytes for t in tensors if not (untied and t.name == "token_embd.weight"))
 
 
 def limit_tok_s(read_gb_s: float, weight_bytes: int) -> float:

@@ -63,7 +63,7 @@ def bandwidth_line(meta: dict[str, Any]) -> str:
     return (
         f"memory read {meta['memory_read_gb_s']:.1f} GB/s, {low:.1f}–{high:.1f} (a float32 sum over 1 GiB on every "
         f"core, best of 5, just before and after each single-stream run; each share is against the bandwidth "
-        f"around its own run); weights in the file {meta['weight_bytes'] / 1e6:.0f} MB: single-stream limit at the "
+        f"around its own run); weights a step reads {meta['weight_bytes'] / 1e6:.0f} MB: single-stream limit at the "
         f"median {meta['bandwidth_limit_tok_s']:.1f} tok/s, each weight read once per token"
     )
 

@@ -343,7 +343,7 @@ def _bandwidth_limit(
         system["bandwidth_share"] = (
             statistics.median(shares) if shares else decode / limit if decode is not None else None
         )
-        if name in ALL_PEERS:  # llama.cpp multiplies with the file's own quantised blocks: it reads what the file holds
+        if name in ALL_PEERS:  # llama.cpp multiplies with the file's own quantised blocks, as they are
             system.setdefault("weights_read_mb", weight_bytes / 1e6)
     return {
         "memory_read_gb_s": gb_s,
