@@ -7,7 +7,8 @@ python scripts/engine_speed.py --batch 1 --no-greedy-head   # a lone greedy row'
 
 Besides the aggregate it prints where a step goes, as medians over the decode steps: the model's layers (the
 runner's forward), the LM head (the runner's logits_summarised: a GGUF head's pass finds each row's argmax and
-checks it finite as well) and the rest (sampling, bookkeeping), and the first step's time (the batch's prefill).
+checks it finite as well) and the rest (sampling, bookkeeping), and the first step's time (the batch's prefill); and
+the step's time outside the C kernels' calls (Python's and torch's share).
 `--bench-prompts` takes the prompts `tokenmill bench` sends, one per row, in place of one repeated prompt. `--busy ON OFF` measures beside a process that spins ON ms then sleeps OFF ms (bench/busy.py), as
 the server's event loop or a client on the same cores takes a core for a while.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import statistics
 import time
 from collections.abc import Callable
@@ -66,14 +68,21 @@ def main() -> None:
 
 
 class Phases:
-    """Times the runner's forward and logits calls, step by step."""
+    """Times the runner's forward and logits calls, step by step, and every call into the C kernels' library: what a
+    step spends outside them is Python's (and torch's) share."""
 
     def __init__(self, core: EngineCore) -> None:
         self.forward: list[float] = []
         self.logits: list[float] = []
+        self.in_c: list[float] = []
         core.runner.forward = self._timed(core.runner.forward, self.forward)  # type: ignore[method-assign]
         timed_head = self._timed(core.runner.logits_summarised, self.logits)
         core.runner.logits_summarised = timed_head  # type: ignore[method-assign]
+        lib = ops.library()
+        if lib is not None:  # each function ctypes has looked up so far is an attribute of the library object
+            for name, fn in list(vars(lib).items()):
+                if isinstance(fn, ctypes._CFuncPtr):
+                    setattr(lib, name, self._timed(fn, self.in_c))
 
     @staticmethod
     def _timed(fn: Callable[..., Any], into: list[float]) -> Callable[..., Any]:
@@ -88,6 +97,7 @@ class Phases:
     def clear(self) -> None:
         self.forward.clear()
         self.logits.clear()
+        self.in_c.clear()
 
 
 def measure(
@@ -106,10 +116,13 @@ def measure(
     prefill = time.perf_counter() - start
     phases.clear()
     steps: list[float] = []
+    outside: list[float] = []  # each step's time outside the C kernels
     while core.has_work and len(steps) < 10 * tokens:
         at = time.perf_counter()
         core.step()
         steps.append(time.perf_counter() - at)
+        outside.append(steps[-1] - sum(phases.in_c))
+        phases.in_c.clear()
     elapsed = time.perf_counter() - start
 
     def ms(values: list[float]) -> float:
@@ -118,7 +131,8 @@ def measure(
     step, layers, head = ms(steps), ms(phases.forward), ms(phases.logits)
     return (
         f"batch={batch} aggregate={batch * tokens / elapsed:.1f} tok/s prefill step {prefill * 1e3:.1f} ms; "
-        f"decode step {step:.2f} ms: layers {layers:.2f}, head {head:.2f}, rest {step - layers - head:.2f}"
+        f"decode step {step:.2f} ms: layers {layers:.2f}, head {head:.2f}, rest {step - layers - head:.2f}; "
+        f"outside the C kernels {ms(outside):.2f}"
     )
 
 
