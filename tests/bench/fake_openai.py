@@ -30,6 +30,7 @@ class FakeOpenAI:
     weight_bytes: int | None = None  # tokenmill-like: /stats reports the weights one decode step reads
     close_after_stream: bool = False  # as llama-server does: the connection closed after a stream, keep-alive or not
     context: int | None = None  # a prompt of more words than this is refused with a 400, as a full context is
+    cut_to: int | None = None  # a prompt of more words is read as its last cut_to (ik_llama.cpp keeps the end)
     bodies: list[dict[str, Any]] = field(default_factory=list)
     in_flight: int = 0
     max_in_flight: int = 0
@@ -75,7 +76,8 @@ class FakeOpenAI:
         words = len(str(body["prompt"]).split())
         if self.context is not None and words > self.context:
             return web.json_response({"error": {"message": f"{words} tokens exceed the context"}}, status=400)
-        usage = {"prompt_tokens": words, "completion_tokens": body["max_tokens"]}
+        read = words if self.cut_to is None else min(words, self.cut_to)
+        usage = {"prompt_tokens": read, "completion_tokens": body["max_tokens"]}
         text = " t" * body["max_tokens"]
         return web.json_response({"choices": [{"index": 0, "text": text, "finish_reason": "length"}], "usage": usage})
 

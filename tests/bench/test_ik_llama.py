@@ -117,3 +117,36 @@ def test_a_run_puts_it_beside_tokenmill_with_its_version(binary: Path, tmp_path:
         "build": f"built by hand: {binary}",
     }
     assert list(results["meta"]["peers"]) == ["ik-llama-server"]
+
+
+def test_prompts_longer_than_a_slot_are_timed_on_a_one_slot_server_of_the_peer(
+    binary: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started: list[StandIn] = []
+
+    class Recorded(StandIn):
+        def start(self, timeout_s: float) -> float:
+            started.append(self)
+            return super().start(timeout_s)
+
+    monkeypatch.setattr(run, "ManagedServer", Recorded)
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--compare", "--peers", "ik-llama-server", "--model", str(tmp_path / "m.gguf")]
+    argv += ["--ik-llama-server", str(binary), "--no-startup", "--no-bandwidth", "--rounds", "2"]
+    argv += ["--requests", "1", "--max-tokens", "4", "--concurrency", "1", "--single-runs", "1", "--json", str(out)]
+    argv += ["--llama-server-ctx", "512", "--prefill-tokens", "100", "1000"]
+    assert main(argv) == 0
+    assert [s.spec.name for s in started] == ["tokenmill", "ik-llama-server", "ik-llama-server"]
+    one_slot = started[2].spec.argv
+    assert one_slot[one_slot.index("--parallel") + 1] == "1" and one_slot[one_slot.index("--ctx-size") + 1] == "2048"
+    results: dict[str, Any] = json.loads(out.read_text())
+    for name in ("tokenmill", "ik-llama-server"):
+        for one_pass in results["systems"][name]["passes"]:
+            assert [p["length"] for p in one_pass["prefill"]] == [100, 1000]
+            assert all(p["tok_s"] > 0 for p in one_pass["prefill"])
+    assert results["figures"]["ik-llama-server"]["prefill1000_tok_s"] > 0
+    assert results["figures"]["ik-llama-server"]["peak_rss_mb"] == 700.0  # the server that took the load
+    assert (
+        "ik-llama-server, round 2: prompts longer than a slot timed on a server of one 2048-token slot"
+        in (results["notes"])
+    )

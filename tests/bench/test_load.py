@@ -90,6 +90,16 @@ def test_a_prompt_past_the_servers_context_is_a_failed_prefill_not_a_failed_pass
     assert result["levels"][0]["failed"] == 0
 
 
+def test_a_prompt_the_server_cut_short_gets_no_figure() -> None:
+    fake = FakeOpenAI(cut_to=len(load.PASSAGE.split()) + 10)
+    settings = LoadSettings(max_tokens=3, single_runs=1, concurrency=(1,), requests=1, prefill_tokens=(40, 400))
+    short, long = run_pass(fake, settings)["prefill"]
+    assert short["tok_s"] > 0 and long["tok_s"] is None
+    assert (
+        long["error"] == f"the server cut the prompt to {long['prompt_tokens']} tokens" and long["prompt_tokens"] < 360
+    )
+
+
 def test_failed_requests_are_reported_not_raised() -> None:
     fake = FakeOpenAI(fail_every=2)
     result = run_pass(fake, LoadSettings(max_tokens=3, single_runs=1, concurrency=(1,), requests=4))

@@ -149,6 +149,7 @@ async def run_single(
 
 
 PASSAGE = " ".join(PROMPTS) + "\n"
+CUT_SHARE = 0.9  # a prompt read as fewer than this share of the tokens asked for was cut by the server
 
 
 async def run_prefill(
@@ -176,9 +177,20 @@ async def run_prefill(
     except (aiohttp.ClientError, ValueError, KeyError, TypeError) as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"[:300]
     else:
-        result["prompt_tokens"] = int(answer["usage"]["prompt_tokens"])
-        result["tok_s"] = result["prompt_tokens"] / result["seconds"]
+        result["prompt_tokens"] = read = int(answer["usage"]["prompt_tokens"])
+        if read < CUT_SHARE * length:  # a server that keeps a prompt's end when it overflows a slot (ik_llama.cpp)
+            result["error"] = f"the server cut the prompt to {read} tokens"
+        else:
+            result["tok_s"] = read / result["seconds"]
     return result
+
+
+async def prefill_only(url: str, settings: LoadSettings) -> list[dict[str, Any]]:
+    """run_prefill for each of settings.prefill_tokens, and nothing else (a server started for long prompts alone)."""
+    base_url = require_loopback(url)
+    async with make_client(settings) as client:
+        model, _ = await discover(client, base_url)
+        return [await run_prefill(client, base_url, model, settings, n) for n in settings.prefill_tokens]
 
 
 async def _complete(client: aiohttp.ClientSession, base_url: str, body: dict[str, Any]) -> dict[str, Any]:

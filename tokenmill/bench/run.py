@@ -50,6 +50,8 @@ from tokenmill.bench.servers import (
 from tokenmill.bench.stats import flat_figures, median_of_rounds
 
 Figures = dict[str, float | None]
+LLAMA_CPP_PEERS = ("llama-server", "ik-llama-server")  # slots of a fixed context: --llama-server-ctx
+PROMPT_ROOM = 64  # tokens of slack over a long prompt's nominal length in a slot sized for it
 HF_NAMES = {"bfloat16": "hf-bf16", "float32": "hf-fp32"}  # transformers generate() in a subprocess
 
 
@@ -152,7 +154,47 @@ def bench_managed(args: argparse.Namespace) -> dict[str, Any]:
             for server in servers:
                 server.stop()
                 systems[server.spec.name]["peak_rss_mb"] = server.peak_rss_mb
+        if args.compare:
+            _long_prefills(args, systems, settings, rounds, model_file, log_dir)
     return _results(args, settings, systems, model_file, weights, peers)
+
+
+def _slot_prompt_limit(args: argparse.Namespace) -> int:
+    """The longest prompt a llama.cpp peer's slot takes with room for the answer."""
+    return args.llama_server_ctx - args.max_tokens
+
+
+def _long_prefills(
+    args: argparse.Namespace,
+    systems: dict[str, dict[str, Any]],
+    settings: LoadSettings,
+    rounds: int,
+    model_file: str | None,
+    log_dir: Path,
+) -> None:
+    """Prompts longer than a llama.cpp peer's slot holds (their passes leave them out) timed on a server of that
+    peer started for them alone, with one slot of their length: its memory is not the peer's peak RSS, which stays
+    the figure of the server that took the load. tokenmill timed them in its own passes, as one server takes
+    everything."""
+    limit = _slot_prompt_limit(args)
+    longer = tuple(n for n in settings.prefill_tokens if n > limit)
+    if not longer:
+        return
+    ctx = -(-(max(longer) + args.max_tokens + PROMPT_ROOM) // 1024) * 1024
+    for peer in (p for p in args.peers if p in LLAMA_CPP_PEERS):
+        server = ManagedServer(_peer(args, peer, model_file, slots=1, ctx_per_slot=ctx), log_dir)
+        _progress(f"{peer} with one slot of {ctx} tokens, for the prompts of {', '.join(map(str, longer))} tokens")
+        try:
+            server.start(args.start_timeout)
+            for one_pass in systems[peer]["passes"][:rounds]:
+                one_pass["prefill"] += load.run(
+                    load.prefill_only(server.url, dataclasses.replace(settings, prefill_tokens=longer))
+                )
+                one_pass["prefill_one_slot"] = ctx
+        except ServerStartError as exc:  # the peer's other figures stand
+            _progress(f"{peer}: the one-slot server did not start: {exc}")
+        finally:
+            server.stop()
 
 
 def _tokenmill_extra(args: argparse.Namespace) -> list[str]:
@@ -184,10 +226,16 @@ def _packaged_gguf() -> str:
     return str(assemble())
 
 
-def _peer(args: argparse.Namespace, peer: str, model_file: str | None) -> ServerSpec:
+def _peer(
+    args: argparse.Namespace,
+    peer: str,
+    model_file: str | None,
+    slots: int | None = None,
+    ctx_per_slot: int | None = None,
+) -> ServerSpec:
     if model_file is None or not model_file.endswith(".gguf"):
         raise ServerStartError(f"--compare needs a GGUF file for every server, got {model_file!r}")
-    slots, ctx = args.llama_server_slots, args.llama_server_ctx
+    slots, ctx = slots or args.llama_server_slots, ctx_per_slot or args.llama_server_ctx
     if peer == "llama-server":
         binary = ensure_llama_server(args.llama_server_dir, args.llama_server_version)
         extra = shlex.split(args.llama_server_args)
@@ -251,9 +299,12 @@ def _interleave(
     GGUF file's bytes to set a limit with (and no --no-bandwidth), each server's pass measures the memory read
     bandwidth just before and just after its single-stream runs (kept in the pass, see _pass_gb_s)."""
     measure = not args.no_bandwidth and weights_file is not None and weights_file.endswith(".gguf")
+    fitting = tuple(n for n in settings.prefill_tokens if n <= _slot_prompt_limit(args))
     for r in range(rounds):
         for name, url in targets:
-            systems[name]["passes"].append(_one_pass(name, url, settings, r, rounds, measure))
+            # a llama.cpp peer's slots are too small for the longer prompts: _long_prefills times them
+            own = dataclasses.replace(settings, prefill_tokens=fitting) if name in LLAMA_CPP_PEERS else settings
+            systems[name]["passes"].append(_one_pass(name, url, own, r, rounds, measure))
         for dtype in args.hf_dtype if args.transformers else ():
             _progress(f"round {r + 1}/{rounds}: transformers {dtype} (in a subprocess)")
             try:
@@ -412,6 +463,11 @@ def notes(systems: dict[str, dict[str, Any]]) -> list[str]:
                     out.append(f"{where}: {part['early_stops']} requests stopped before max_tokens (counted as sent)")
                 if part.get("tokens_exact") is False:
                     out.append(f"{where}: token counts estimated from stream chunks (no usage, early stop)")
+            if one_pass.get("prefill_one_slot"):
+                out.append(
+                    f"{name}, round {i + 1}: prompts longer than a slot timed on a server of one "
+                    f"{one_pass['prefill_one_slot']}-token slot"
+                )
             for prefill in one_pass.get("prefill", ()):
                 if prefill["error"]:
                     out.append(f"{name}, round {i + 1}, {prefill['length']}-token prefill failed: {prefill['error']}")
