@@ -47,6 +47,7 @@ int int8_matmul(const uint16_t *x, int64_t m, int64_t k, const int8_t *tiles, co
 int gguf_matmul_available(void);
 int gguf_quantize_rows(const uint16_t *x, int64_t stride, int64_t m, int64_t k, void *out, int threads);
 int64_t gguf_packed_bytes(int type, int64_t n, int64_t k);
+int gguf_dequantize_rows(int type, const uint8_t *table, int64_t k, const int64_t *ids, int64_t n, float *out);
 int gguf_repack(int type, const uint8_t *w, int64_t n, int64_t k, uint8_t *out, int threads);
 int gguf_repack_all(int64_t count, const int *types, const uint8_t *const *ws, const int64_t *ns, const int64_t *ks,
                     uint8_t *const *outs, const int64_t *release, int threads);

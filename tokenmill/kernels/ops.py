@@ -287,6 +287,20 @@ def gguf_packed_bytes(ggml_type: int, n: int, k: int) -> int:
     return size
 
 
+def gguf_dequantize_rows(raw: torch.Tensor, ggml_type: int, k: int, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (any shape) of a GGUF table's (N, row bytes) blocks as float32 (*ids.shape, K), bit for bit
+    gguf_quant.dequantize_rows' (gguf_dequant.c). Plain C: it needs the library, no instruction set."""
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    if not raw.is_contiguous() or raw.dtype != torch.uint8 or raw.dim() != 2:
+        raise ValueError("gguf_dequantize_rows: a contiguous (N, row bytes) uint8 table")
+    if flat.numel() and not 0 <= int(flat.min()) <= int(flat.max()) < raw.shape[0]:
+        raise IndexError(f"gguf_dequantize_rows: ids out of range for a table of {raw.shape[0]} rows")
+    out = torch.empty(flat.numel(), k, dtype=torch.float32)
+    if _lib().gguf_dequantize_rows(ggml_type, raw.data_ptr(), k, flat.data_ptr(), flat.numel(), out.data_ptr()):
+        raise ValueError(f"gguf_dequantize_rows: ggml type {ggml_type} with rows of {k} is not one it decodes")
+    return out.reshape(*ids.shape, k)
+
+
 def gguf_packed_empty(ggml_type: int, n: int, k: int) -> torch.Tensor:
     """An unwritten buffer for N rows of K weights of `ggml_type` regrouped by gguf_repack."""
     return torch.empty(gguf_packed_bytes(ggml_type, n, k), dtype=torch.uint8)

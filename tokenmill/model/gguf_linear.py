@@ -190,7 +190,10 @@ class GgufEmbedding(nn.Module):
         self.register_buffer("raw", weight.raw)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return gguf_quant.dequantize_rows(self.get_buffer("raw"), self.ggml_type, self.k, ids).to(self.dtype)
+        raw = self.get_buffer("raw")
+        if ops.library() is not None and raw.is_contiguous():  # one C loop, the same bits as the torch decoding
+            return ops.gguf_dequantize_rows(raw, self.ggml_type, self.k, ids).to(self.dtype)
+        return gguf_quant.dequantize_rows(raw, self.ggml_type, self.k, ids).to(self.dtype)
 
 
 def adopt_gguf(
