@@ -3,6 +3,7 @@
 python scripts/attention_speed.py                      # the default model's heads, and a Llama 3.2 1B's
 python scripts/attention_speed.py --cold               # as a decode step finds the cache: not in the CPU's caches
 python scripts/attention_speed.py --rows 1 --count 1000 --heads 4 1 256
+python scripts/attention_speed.py --rows 512 --count 4000 --heads 12 2 128 --prompt   # a prefill chunk's rows
 
 For each shape it prints the best of the rounds in microseconds per call and in G multiply-adds/s (q . k and p . v,
 both counted). The keys sit in blocks of 16 slots in random order, as a paged cache scatters a sequence's blocks.
@@ -34,6 +35,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, nargs=3, metavar=("HQ", "HKV", "D"), help="one shape instead of both")
     parser.add_argument("--cold", action="store_true", help="every row from memory, as a decode step finds them")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--prompt", action="store_true", help="the rows are a prompt's last ones: row i sees one key more than i - 1"
+    )
     args = parser.parse_args()
     if not ops.paged_attention_available():
         raise SystemExit("no native attention kernel on this machine")
@@ -41,17 +45,19 @@ def main() -> None:
     for hq, hkv, d in shapes:
         for rows in args.rows:
             for count in args.count:
-                seconds = best_call(rows, hq, hkv, d, count, args.rounds, args.cold)
-                macs = 2 * rows * hq * count * d
+                seconds = best_call(rows, hq, hkv, d, count, args.rounds, args.cold, args.prompt)
+                macs = 2 * hq * d * (rows * count - (rows * (rows - 1) // 2 if args.prompt else 0))
                 print(
-                    f"rows={rows:3d} heads={hq}/{hkv} d={d:3d} keys={count:5d}{' cold' if args.cold else ''}: "
+                    f"rows={rows:3d} heads={hq}/{hkv} d={d:3d} keys={count:5d}{' cold' if args.cold else ''}"
+                    f"{' prompt' if args.prompt else ''}: "
                     f"{seconds * 1e6:8.1f} us  {macs / seconds / 1e9:6.1f} G MAC/s",
                     flush=True,
                 )
 
 
-def best_call(rows: int, hq: int, hkv: int, d: int, count: int, rounds: int, cold: bool) -> float:
-    """The best round's mean call: hot, 100 calls on one cache; cold, one call on each of LAYERS caches."""
+def best_call(rows: int, hq: int, hkv: int, d: int, count: int, rounds: int, cold: bool, prompt: bool) -> float:
+    """The best round's mean call: hot, 100 calls on one cache; cold, one call on each of LAYERS caches. `prompt`: the
+    rows are one sequence's last `rows` positions of `count` (the last row sees all), as a prefill's chunk is."""
     gen = torch.Generator().manual_seed(0)
     caches = [
         (
@@ -64,6 +70,8 @@ def best_call(rows: int, hq: int, hkv: int, d: int, count: int, rounds: int, col
     blocks = torch.randperm(-(-rows * count // BLOCK), generator=gen)  # a paged cache: blocks in any order
     slots = (blocks[:, None] * BLOCK + torch.arange(BLOCK)).flatten()[: rows * count]
     offset, counts = torch.arange(rows) * count, torch.full((rows,), count)
+    if prompt:
+        offset, counts = torch.zeros(rows, dtype=torch.long), torch.arange(count - rows + 1, count + 1)
     elsewhere = torch.zeros(EVICT_BYTES if cold else 0, dtype=torch.uint8)
     calls = LAYERS if cold else 100
     best = float("inf")

@@ -145,3 +145,27 @@ def test_c_kernel_matches_float64_softmax_with_grouped_heads_at_the_real_head_si
             expected = weights @ values[lo:end, kv]
             # float32 arithmetic, then the output rounded to bf16 (2^-8 relative)
             assert (got[end - 1, h].double() - expected).abs().le(2.0**-8 * expected.abs() + 1e-4).all(), (end, h)
+
+
+@pytest.mark.skipif(not ops.paged_attention_available(), reason="no AVX-512, AVX2 or OpenMP: the torch path only")
+@pytest.mark.parametrize("window", [None, 300])
+@pytest.mark.parametrize(("hq", "hkv"), [(6, 1), (8, 2)])
+def test_a_prompts_rows_taken_together_over_each_chunk_give_each_rows_bits_alone(
+    window: int | None, hq: int, hkv: int
+) -> None:
+    """Rows that follow one another in a prompt are computed in blocks, chunk of keys by chunk (attend_rows); a row
+    decoded alone takes its chunks apart, over both threads. Both must give the same bits."""
+    d, context, rows = 128, 3 * ops.ATTENTION_KEY_CHUNK + 50, 41
+    gen = torch.Generator().manual_seed(5)
+    k_cache = torch.randn(1024, hkv, d, generator=gen).to(torch.bfloat16)
+    v_cache = torch.randn(1024, hkv, d, generator=gen).to(torch.bfloat16)
+    slots = torch.randperm(1024, generator=gen)[:context]
+    q = torch.randn(rows, hq, d, generator=gen).to(torch.bfloat16)
+    ends = torch.arange(context - rows + 1, context + 1)  # row i sees the keys before position ends[i]
+    starts = (ends - window).clamp(min=0) if window else torch.zeros_like(ends)
+    together = ops.paged_attention(q, k_cache, v_cache, slots, starts, ends - starts, d**-0.5)
+    for i in range(rows):
+        alone = ops.paged_attention(
+            q[i : i + 1], k_cache, v_cache, slots, starts[i : i + 1], (ends - starts)[i : i + 1], d**-0.5
+        )
+        assert torch.equal(together[i], alone[0]), f"row {i}"

@@ -41,6 +41,7 @@ int paged_attention_available(void) { return 1; }
 #define GROUP 4
 #define KEY_CHUNK ATTENTION_KEY_CHUNK /* keys a chunk of a longer row (kernels.h): a multiple of 16 */
 #define PARTIAL(d) ((d) + 2) /* floats of one head's chunk result: o_c, then m_c and l_c */
+#define ROW_BLOCK 8            /* a prompt's rows taken together over each chunk of keys (attend_rows) */
 #if defined(VEC16_WIDE)
 #define OUT_VECTORS 4
 #else
@@ -183,16 +184,17 @@ static inline int64_t chunk_keys(int64_t count, int64_t k) {
 
 /* A unit of work: query heads [h, h + gs) of row r (the `part`-th group of KV head kv's) over the row's keys
  * [key, key + keys). chunk < 0: the unit is the row's whole softmax, the row's chunks one after another where it has
- * several, and writes the heads' outputs; else it is chunk `chunk` of the row's `chunks` and writes its results at
- * `at` in the call's shared scratch, merged after the team's barrier. */
+ * several, and writes the heads' outputs; `rows` > 1: the same for rows r .. r + rows - 1 together, chunk by chunk
+ * (attend_rows); else it is chunk `chunk` of the row's `chunks` and writes its results at `at` in the call's shared
+ * scratch, merged after the team's barrier. */
 typedef struct {
-    int64_t r, kv, part, h, gs, key, keys, chunk, chunks, at;
+    int64_t r, kv, part, h, gs, key, keys, chunk, chunks, at, rows;
 } unit;
 
 /* The call's inputs, as paged_attention takes them */
 typedef struct {
     const uint16_t *q, *k_cache, *v_cache;
-    const int64_t *slots, *offset;
+    const int64_t *slots, *offset, *count;
     int64_t q_stride, hq, hkv, d;
     float scale, softcap;
     uint16_t *out;
@@ -269,28 +271,68 @@ static void attend_row(const call *c, const unit *u, float *scores, float *own, 
     for (int64_t g = 0; g < u->gs; g++) merge_chunks(own + g * PARTIAL(c->d), u->chunks, each, c->d, out + g * c->d);
 }
 
+/* A block of consecutive rows' unit (`rows` > 1): chunk k of every row that has one, then chunk k + 1, ..., each
+ * into `own` (row i's chunk k at (i * most + k) * each), then each row's chunks merged; a row of one chunk is computed
+ * whole, as attend_row does it. Why: a prompt's rows see the same keys, so a chunk's keys and values (KEY_CHUNK rows
+ * of both) stay in L2 for the block's rows instead of coming from L3 or memory for every row. Each row's numbers are
+ * attend_row's: the same chunks, each computed alone, merged in chunk order. */
+static void attend_rows(const call *c, const unit *u, float *scores, float *own, asking *ahead) {
+    int64_t each = u->gs * PARTIAL(c->d), most = 1;
+    for (int64_t i = 0; i < u->rows; i++) {
+        int64_t chunks = key_chunks(c->count[u->r + i]);
+        most = chunks > most ? chunks : most;
+    }
+    ask_ahead(ahead, u, u->keys, c);
+    for (int64_t k = 0; k < most; k++)
+        for (int64_t i = 0; i < u->rows; i++) {
+            int64_t r = u->r + i, count = c->count[r], chunks = key_chunks(count);
+            if (chunks == 1) {
+                if (k == 0)
+                    attend(c, r, u->kv, u->h, u->gs, 0, count, scores, c->out + (r * c->hq + u->h) * c->d, NULL);
+                continue;
+            }
+            if (k < chunks)
+                attend(c, r, u->kv, u->h, u->gs, k * KEY_CHUNK, chunk_keys(count, k), scores, NULL,
+                       own + (i * most + k) * each);
+        }
+    for (int64_t i = 0; i < u->rows; i++) {
+        int64_t r = u->r + i, chunks = key_chunks(c->count[r]);
+        if (chunks == 1) continue;
+        for (int64_t g = 0; g < u->gs; g++)
+            merge_chunks(own + i * most * each + g * PARTIAL(c->d), chunks, each, c->d,
+                         c->out + (r * c->hq + u->h + g) * c->d);
+    }
+}
+
 /* The call's units into units (NULL: only counted): (row, KV head, part of its query heads of `size`), each whole,
  * or with `split` each chunk of a row over KEY_CHUNK keys a unit of its own. Returns how many, and in *scratch how
  * many heads' chunk results (PARTIAL(d) floats each) the chunk units write to the shared scratch. */
-static int64_t plan_units(const int64_t *count, int64_t rows, int64_t hq, int64_t hkv, int64_t size, int split,
-                          unit *units, int64_t *scratch) {
-    int64_t group = hq / hkv, n = 0, at = 0;
-    for (int64_t r = 0; r < rows; r++)
+static int64_t plan_units(const int64_t *offset, const int64_t *count, int64_t rows, int64_t hq, int64_t hkv,
+                          int64_t size, int split, int64_t block, unit *units, int64_t *scratch) {
+    int64_t group = hq / hkv, n = 0, at = 0, nr;
+    for (int64_t r = 0; r < rows; r += nr) {
+        /* a block: up to `block` rows that follow one another in one prompt (each sees what the last saw, and one
+         * more key; a window's start moves by one at most), so they read the same keys */
+        for (nr = 1; nr < block && r + nr < rows; nr++) {
+            int64_t moved = offset[r + nr] - offset[r + nr - 1], grew = count[r + nr] - count[r + nr - 1];
+            if (moved < 0 || moved > 1 || grew < 0 || grew > 1) break;
+        }
         for (int64_t kv = 0; kv < hkv; kv++)
             for (int64_t part = 0; part * size < group; part++) {
                 int64_t h = kv * group + part * size, gs = group - part * size < size ? group - part * size : size;
                 int64_t chunks = key_chunks(count[r]);
                 if (!split || chunks == 1) {
-                    if (units) units[n] = (unit){r, kv, part, h, gs, 0, count[r], -1, chunks, 0};
+                    if (units) units[n] = (unit){r, kv, part, h, gs, 0, count[r], -1, chunks, 0, nr};
                     n++;
                     continue;
                 }
                 for (int64_t k = 0; k < chunks; k++, n++) {
                     int64_t keys = chunk_keys(count[r], k);
-                    if (units) units[n] = (unit){r, kv, part, h, gs, k * KEY_CHUNK, keys, k, chunks, at};
+                    if (units) units[n] = (unit){r, kv, part, h, gs, k * KEY_CHUNK, keys, k, chunks, at, 1};
                     at += gs;
                 }
             }
+    }
     *scratch = at;
     return n;
 }
@@ -301,7 +343,7 @@ int paged_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache
                     const int64_t *slots, const int64_t *offset, const int64_t *count, int64_t rows, int64_t hq,
                     int64_t hkv, int64_t d, float scale, float softcap, uint16_t *out, int threads) {
     if (d % 16 || d > MAX_ATTENTION_HEAD_DIM || hq % hkv) return -1;
-    const call c = {q, k_cache, v_cache, slots, offset, q_stride, hq, hkv, d, scale, softcap, out};
+    const call c = {q, k_cache, v_cache, slots, offset, count, q_stride, hq, hkv, d, scale, softcap, out};
     /* Work for every thread: rows' whole softmaxes where they share out evenly (GROUP query heads a KV head
      * together, sharing their loads); else, with a few rows (a single stream's step has one row, and Gemma 3 one KV
      * head; three rows on two threads left one idle half the time), long rows' chunks apart, and a KV head's query
@@ -310,8 +352,14 @@ int paged_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache
     int64_t items = rows * hkv * ((group + GROUP - 1) / GROUP);
     int split = items < threads || (items < 4 * threads && items % threads);
     for (int64_t r = 0; r < rows; r++) longest = count[r] > longest ? count[r] : longest;
-    int64_t n = plan_units(count, rows, hq, hkv, size, split, NULL, &need);
-    while (n < threads && size > 1) n = plan_units(count, rows, hq, hkv, size /= 2, split, NULL, &need);
+    /* a prompt's rows over several chunks of keys: blocks of up to ROW_BLOCK of them (attend_rows), where there are
+     * enough blocks to share out */
+    int64_t block = !split && key_chunks(longest) > 1 ? ROW_BLOCK : 1;
+    int64_t n = plan_units(offset, count, rows, hq, hkv, size, split, block, NULL, &need);
+    if (block > 1 && n < 4 * threads) /* too few blocks to share out: rows one at a time */
+        n = plan_units(offset, count, rows, hq, hkv, size, split, block = 1, NULL, &need);
+    while (n < threads && size > 1)
+        n = plan_units(offset, count, rows, hq, hkv, size /= 2, split, block, NULL, &need);
     unit *units = malloc((size_t)n * sizeof *units);
     float *shared = need ? malloc((size_t)(need * PARTIAL(d)) * sizeof *shared) : NULL;
     if (units == NULL || (need && shared == NULL)) {
@@ -319,9 +367,9 @@ int paged_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache
         free(shared);
         return -1;
     }
-    plan_units(count, rows, hq, hkv, size, split, units, &need);
-    /* a whole row's chunks, where a row has several and its units are whole rows */
-    int64_t own_floats = !split && key_chunks(longest) > 1 ? key_chunks(longest) * GROUP * PARTIAL(d) : 0;
+    plan_units(offset, count, rows, hq, hkv, size, split, block, units, &need);
+    /* a whole row's chunks (a block's rows' chunks), where a row has several and its units are whole rows */
+    int64_t own_floats = !split && key_chunks(longest) > 1 ? block * key_chunks(longest) * GROUP * PARTIAL(d) : 0;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
@@ -336,7 +384,10 @@ int paged_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache
         for (int64_t i = first; i < end && !failed; i++) {
             const unit *u = &units[i];
             if (u->chunk < 0) {
-                attend_row(&c, u, scores, own, &ahead);
+                if (u->rows > 1)
+                    attend_rows(&c, u, scores, own, &ahead);
+                else
+                    attend_row(&c, u, scores, own, &ahead);
                 continue;
             }
             ask_ahead(&ahead, u, u->keys, &c);
