@@ -84,9 +84,11 @@ class StandIn:
         self.url = ""
         self.peak_rss_mb = {"tokenmill": 900.0}.get(spec.name, 700.0)
         self._running: AbstractContextManager[str] | None = None
+        self.fake = FakeOpenAI()
 
     def start(self, timeout_s: float) -> float:
-        self._running = FakeOpenAI(step_s=0.001 if self.spec.name == "tokenmill" else 0.002).running()
+        self.fake = FakeOpenAI(step_s=0.001 if self.spec.name == "tokenmill" else 0.002)
+        self._running = self.fake.running()
         self.url = self._running.__enter__()
         return 1.0
 
@@ -119,7 +121,7 @@ def test_a_run_puts_it_beside_tokenmill_with_its_version(binary: Path, tmp_path:
     assert list(results["meta"]["peers"]) == ["ik-llama-server"]
 
 
-def test_prompts_longer_than_a_slot_are_timed_on_a_one_slot_server_of_the_peer(
+def test_prompts_longer_than_a_slot_are_timed_for_everyone_on_servers_started_for_them(
     binary: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     started: list[StandIn] = []
@@ -136,17 +138,28 @@ def test_prompts_longer_than_a_slot_are_timed_on_a_one_slot_server_of_the_peer(
     argv += ["--requests", "1", "--max-tokens", "4", "--concurrency", "1", "--single-runs", "1", "--json", str(out)]
     argv += ["--llama-server-ctx", "512", "--prefill-tokens", "100", "1000"]
     assert main(argv) == 0
-    assert [s.spec.name for s in started] == ["tokenmill", "ik-llama-server", "ik-llama-server"]
-    one_slot = started[2].spec.argv
+    names = [s.spec.name for s in started]
+    assert names == ["tokenmill", "ik-llama-server", "tokenmill", "ik-llama-server"]  # the load's, then the long's
+    one_slot = started[3].spec.argv
     assert one_slot[one_slot.index("--parallel") + 1] == "1" and one_slot[one_slot.index("--ctx-size") + 1] == "2048"
+    long_bodies = [b for b in started[2].fake.bodies if len(str(b["prompt"]).split()) > 500]
+    assert (
+        len(long_bodies) == 2
+        and not any(  # the servers that took the load never saw the long prompts
+            len(str(b["prompt"]).split()) > 500 for s in started[:2] for b in s.fake.bodies
+        )
+    )
     results: dict[str, Any] = json.loads(out.read_text())
     for name in ("tokenmill", "ik-llama-server"):
         for one_pass in results["systems"][name]["passes"]:
             assert [p["length"] for p in one_pass["prefill"]] == [100, 1000]
             assert all(p["tok_s"] > 0 for p in one_pass["prefill"])
-    assert results["figures"]["ik-llama-server"]["prefill1000_tok_s"] > 0
+        assert results["figures"][name]["prefill1000_tok_s"] > 0
     assert results["figures"]["ik-llama-server"]["peak_rss_mb"] == 700.0  # the server that took the load
+    assert results["figures"]["tokenmill"]["peak_rss_mb"] == 900.0
+    notes = results["notes"]
     assert (
-        "ik-llama-server, round 2: prompts longer than a slot timed on a server of one 2048-token slot"
-        in (results["notes"])
+        "ik-llama-server, round 2: prompts longer than a slot timed on a server started for them (one slot of 2048 tokens)"
+        in notes
     )
+    assert "tokenmill, round 1: prompts longer than a slot timed on a server started for them" in notes

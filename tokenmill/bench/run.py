@@ -50,7 +50,6 @@ from tokenmill.bench.servers import (
 from tokenmill.bench.stats import flat_figures, median_of_rounds
 
 Figures = dict[str, float | None]
-LLAMA_CPP_PEERS = ("llama-server", "ik-llama-server")  # slots of a fixed context: --llama-server-ctx
 PROMPT_ROOM = 64  # tokens of slack over a long prompt's nominal length in a slot sized for it
 HF_NAMES = {"bfloat16": "hf-bf16", "float32": "hf-fp32"}  # transformers generate() in a subprocess
 
@@ -155,7 +154,7 @@ def bench_managed(args: argparse.Namespace) -> dict[str, Any]:
                 server.stop()
                 systems[server.spec.name]["peak_rss_mb"] = server.peak_rss_mb
         if args.compare:
-            _long_prefills(args, systems, settings, rounds, model_file, log_dir)
+            _long_prefills(args, systems, settings, rounds, model_file, cache_dir, log_dir)
     return _results(args, settings, systems, model_file, weights, peers)
 
 
@@ -170,30 +169,37 @@ def _long_prefills(
     settings: LoadSettings,
     rounds: int,
     model_file: str | None,
+    cache_dir: str | None,
     log_dir: Path,
 ) -> None:
-    """Prompts longer than a llama.cpp peer's slot holds (their passes leave them out) timed on a server of that
-    peer started for them alone, with one slot of their length: its memory is not the peer's peak RSS, which stays
-    the figure of the server that took the load. tokenmill timed them in its own passes, as one server takes
-    everything."""
-    limit = _slot_prompt_limit(args)
-    longer = tuple(n for n in settings.prefill_tokens if n > limit)
+    """Prompts longer than a llama.cpp peer's slot holds, which every system's passes leave out, timed after the
+    rounds on a server of each system started for them alone (a peer's with one slot of their length), round after
+    round in turn: these servers' memory is no one's peak RSS, which stays the figure of the servers that took the
+    same load."""
+    longer = tuple(n for n in settings.prefill_tokens if n > _slot_prompt_limit(args))
     if not longer:
         return
     ctx = -(-(max(longer) + args.max_tokens + PROMPT_ROOM) // 1024) * 1024
-    for peer in (p for p in args.peers if p in LLAMA_CPP_PEERS):
-        server = ManagedServer(_peer(args, peer, model_file, slots=1, ctx_per_slot=ctx), log_dir)
-        _progress(f"{peer} with one slot of {ctx} tokens, for the prompts of {', '.join(map(str, longer))} tokens")
-        try:
-            server.start(args.start_timeout)
-            for one_pass in systems[peer]["passes"][:rounds]:
-                one_pass["prefill"] += load.run(
-                    load.prefill_only(server.url, dataclasses.replace(settings, prefill_tokens=longer))
-                )
-                one_pass["prefill_one_slot"] = ctx
-        except ServerStartError as exc:  # the peer's other figures stand
-            _progress(f"{peer}: the one-slot server did not start: {exc}")
-        finally:
+    specs = [tokenmill_spec(free_port(), args.model, _tokenmill_extra(args), cache_dir)]
+    specs += [_peer(args, peer, model_file, slots=1, ctx_per_slot=ctx) for peer in args.peers]
+    servers = [ManagedServer(spec, log_dir) for spec in specs]
+    only_long = dataclasses.replace(settings, prefill_tokens=longer)
+    try:
+        started = []
+        for server in servers:
+            _progress(f"{server.spec.name} for the prompts of {', '.join(map(str, longer))} tokens alone")
+            try:
+                server.start(args.start_timeout)
+                started.append(server)
+            except ServerStartError as exc:  # that system's other figures stand
+                _progress(f"{server.spec.name}: its server for the long prompts did not start: {exc}")
+        for r in range(rounds):
+            for server in started:
+                one_pass = systems[server.spec.name]["passes"][r]
+                one_pass["prefill"] += load.run(load.prefill_only(server.url, only_long))
+                one_pass["prefill_apart"] = ctx if server.spec.name != "tokenmill" else True
+    finally:
+        for server in servers:
             server.stop()
 
 
@@ -245,7 +251,8 @@ def _peer(
         extra = shlex.split(args.ik_llama_server_args)
         return ik_llama_server_spec(str(binary), free_port(), model_file, args.peer_threads, slots, ctx, extra)
     python = ensure_peer_venv(args.peer_venv, args.peer_version)
-    return peer_spec(python, free_port(), model_file, args.peer_threads, args.peer_n_ctx, shlex.split(args.peer_args))
+    n_ctx = ctx_per_slot or args.peer_n_ctx  # one request at a time: its one context
+    return peer_spec(python, free_port(), model_file, args.peer_threads, n_ctx, shlex.split(args.peer_args))
 
 
 def _peer_build(args: argparse.Namespace, spec: ServerSpec) -> dict[str, str | None]:
@@ -299,12 +306,12 @@ def _interleave(
     GGUF file's bytes to set a limit with (and no --no-bandwidth), each server's pass measures the memory read
     bandwidth just before and just after its single-stream runs (kept in the pass, see _pass_gb_s)."""
     measure = not args.no_bandwidth and weights_file is not None and weights_file.endswith(".gguf")
-    fitting = tuple(n for n in settings.prefill_tokens if n <= _slot_prompt_limit(args))
+    if args.compare:  # a llama.cpp peer's slots are too small for the longer prompts: _long_prefills times them all
+        fitting = tuple(n for n in settings.prefill_tokens if n <= _slot_prompt_limit(args))
+        settings = dataclasses.replace(settings, prefill_tokens=fitting)
     for r in range(rounds):
         for name, url in targets:
-            # a llama.cpp peer's slots are too small for the longer prompts: _long_prefills times them
-            own = dataclasses.replace(settings, prefill_tokens=fitting) if name in LLAMA_CPP_PEERS else settings
-            systems[name]["passes"].append(_one_pass(name, url, own, r, rounds, measure))
+            systems[name]["passes"].append(_one_pass(name, url, settings, r, rounds, measure))
         for dtype in args.hf_dtype if args.transformers else ():
             _progress(f"round {r + 1}/{rounds}: transformers {dtype} (in a subprocess)")
             try:
@@ -463,10 +470,11 @@ def notes(systems: dict[str, dict[str, Any]]) -> list[str]:
                     out.append(f"{where}: {part['early_stops']} requests stopped before max_tokens (counted as sent)")
                 if part.get("tokens_exact") is False:
                     out.append(f"{where}: token counts estimated from stream chunks (no usage, early stop)")
-            if one_pass.get("prefill_one_slot"):
+            apart = one_pass.get("prefill_apart")
+            if apart:
+                slot = f" (one slot of {apart} tokens)" if apart is not True else ""
                 out.append(
-                    f"{name}, round {i + 1}: prompts longer than a slot timed on a server of one "
-                    f"{one_pass['prefill_one_slot']}-token slot"
+                    f"{name}, round {i + 1}: prompts longer than a slot timed on a server started for them{slot}"
                 )
             for prefill in one_pass.get("prefill", ()):
                 if prefill["error"]:
