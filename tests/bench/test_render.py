@@ -144,8 +144,8 @@ def test_the_readme_table_puts_each_peer_s_headline_ratios_first(tmp_path: Path)
     assert zen4_ik.endswith("| – |")  # the ik run has no 16-client TTFT
     assert len([line for line in table if line.startswith("|")]) == 2 + 3  # AMD against two peers, Intel one
     assert table[-2:] == [
-        "`tokenmill bench --compare --peers llama-server ik-llama-server --rounds 2 --json docs/bench/` (2026-12-01)",
-        "`tokenmill bench --compare --peers llama-server --rounds 2 --json docs/bench/` (2026-12-02)",
+        "- `tokenmill bench --compare --peers llama-server ik-llama-server --rounds 2 --json docs/bench/` (2026-12-01)",
+        "- `tokenmill bench --compare --peers llama-server --rounds 2 --json docs/bench/` (2026-12-02)",
     ]
 
 

@@ -136,7 +136,7 @@ def summary(runs: Sequence[tuple[str, dict[str, Any]]]) -> str:
             cells = [_versus(ours.get(key), theirs.get(key), unit) for key, unit in keys]
             lines.append(_row([_machine_name(meta["machine"]), meta["model"] or "–", peer, *cells]))
     lines.append("")
-    lines += [f"`{results['meta']['command']}` ({results['meta']['date'][:10]})" for _, results in runs]
+    lines += [f"- `{results['meta']['command']}` ({results['meta']['date'][:10]})" for _, results in runs]
     return "\n".join(lines)
 
 
