@@ -60,7 +60,16 @@ SOURCES = [
 KERNELS_H = HERE / "kernels.h"  # the prototypes and limits C and Python share
 HEADERS = [
     HERE / name
-    for name in ("kernels.h", "bf16.h", "vec16.h", "avx512_common.h", "avx2_common.h", "gguf_packed.h", "gguf_lanes.h")
+    for name in (
+        "kernels.h",
+        "bf16.h",
+        "vec16.h",
+        "avx512_common.h",
+        "avx2_common.h",
+        "gguf_packed.h",
+        "gguf_lanes.h",
+        "gguf_blocks.h",
+    )
 ]
 FLAGS = ["-O3", "-ffp-contract=off", "-fPIC", "-shared"]
 DIR_MODE = 0o700

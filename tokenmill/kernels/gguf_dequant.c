@@ -10,6 +10,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "gguf_blocks.h"
 #include "kernels.h"
 
 enum { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
@@ -58,17 +59,6 @@ static void row_q8_0(const uint8_t *b, int64_t blocks, float *y) {
     }
 }
 
-/* Q4_K/Q5_K's sub-block j scale and min from the 12 bytes (ggml's get_scale_min_k4) */
-static void scale_min(const uint8_t *s, int j, int *sc, int *m) {
-    if (j < 4) {
-        *sc = s[j] & 63;
-        *m = s[j + 4] & 63;
-    } else {
-        *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
-        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    }
-}
-
 /* Q4_K (144 bytes) and Q5_K (176: the 32 qh bytes before the nibbles): in chunk c of 64 elements, the low nibbles of
  * its 32 bytes are sub-block 2c, the high ones 2c + 1; Q5_K's fifth bit of sub-block j is bit j of qh[l] */
 static void row_k(const uint8_t *b, int64_t blocks, float *y, int five) {
@@ -77,9 +67,9 @@ static void row_k(const uint8_t *b, int64_t blocks, float *y, int five) {
         float d = half(b), dmin = half(b + 2);
         const uint8_t *scales = b + 4, *qh = b + 16, *qs = b + (five ? 48 : 16);
         for (int c = 0; c < 4; c++) {
-            int sc0, m0, sc1, m1;
-            scale_min(scales, 2 * c, &sc0, &m0);
-            scale_min(scales, 2 * c + 1, &sc1, &m1);
+            uint8_t sc0, m0, sc1, m1;
+            k_scale_min(scales, 2 * c, &sc0, &m0);
+            k_scale_min(scales, 2 * c + 1, &sc1, &m1);
             float d0 = d * (float)sc0, min0 = dmin * (float)m0, d1 = d * (float)sc1, min1 = dmin * (float)m1;
             for (int l = 0; l < 32; l++) {
                 int lo = qs[32 * c + l] & 0x0f, hi = qs[32 * c + l] >> 4;

@@ -8,6 +8,7 @@
 #include <unistd.h>
 #endif
 
+#include "gguf_blocks.h"
 #include "gguf_packed.h"
 #include "kernels.h"
 
@@ -123,17 +124,6 @@ static void repack_codes(int type, const uint8_t *const cols[GROUP], int j, uint
                 }
                 _mm256_storeu_si256((__m256i *)(out + 256 + 64 * h + i), b);
             }
-}
-
-/* Q4_K / Q5_K: the 6-bit (scale, min) of sub-block j, as ggml's get_scale_min_k4 reads them */
-static void k_scale_min(const uint8_t *q, int j, uint8_t *sc, uint8_t *m) {
-    if (j < 4) {
-        *sc = q[j] & 63;
-        *m = q[j + 4] & 63;
-    } else {
-        *sc = (uint8_t)((q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4));
-        *m = (uint8_t)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
-    }
 }
 
 static void repack_unit(int type, const uint8_t *const cols[GROUP], uint8_t *out) {
