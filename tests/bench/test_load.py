@@ -24,7 +24,9 @@ def test_a_pass_bans_eos_from_tokenizer_info_and_counts_usage() -> None:
     fake = FakeOpenAI()
     result = run_pass(fake, LoadSettings(max_tokens=6, single_runs=2, concurrency=(1, 3), requests=5))
     assert result["model"] == "fake-model" and result["eos_ids"] == [EOS_ID]
-    assert len(fake.bodies) == 1 + 2 + 2 * 2 + 5 + 5  # warm-up, single-stream runs, two prefills, two levels
+    assert (
+        len(fake.bodies) == 1 + 2 + 1 + 2 + 5 + 5
+    )  # warm-up, single-stream runs, a probe and two prefills, two levels
     body = fake.bodies[-1]
     assert body["logit_bias"] == {str(EOS_ID): -100} and body["temperature"] == 0 and body["stream"] is True
     assert body["model"] == "fake-model" and body["max_tokens"] == 6
@@ -64,7 +66,7 @@ def test_a_server_that_closes_its_connection_after_each_stream_answers_every_req
     fake = FakeOpenAI(close_after_stream=True)  # llama-server's way, in spite of its Keep-Alive header
     result = run_pass(fake, LoadSettings(max_tokens=3, single_runs=3, concurrency=(1, 2), requests=4))
     assert result["single"]["failed"] == 0 and [level["failed"] for level in result["levels"]] == [0, 0]
-    assert len(fake.bodies) == 1 + 3 + 2 * 2 + 4 + 4
+    assert len(fake.bodies) == 1 + 3 + 1 + 2 + 4 + 4
 
 
 def test_each_prefill_is_one_fresh_prompt_of_about_its_length() -> None:

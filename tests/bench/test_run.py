@@ -50,7 +50,7 @@ def test_bench_on_a_url_prints_the_table_and_writes_json(tmp_path: Path, capsys:
         results["figures"]["server"]["prefill512_tok_s"] > 0 and results["figures"]["server"]["prefill8000_tok_s"] > 0
     )
     assert "secret" not in out.read_text()
-    assert len(fake.bodies) == 2 * (1 + 2 + 2 * 2 + 4 + 4)  # each prefill: a probe of the passage, the prompt
+    assert len(fake.bodies) == 2 * (1 + 2 + 1 + 2 + 4 + 4)  # one probe of the passage, then each prefill's prompt
 
 
 def test_the_json_says_what_ran_where_and_a_folder_gets_a_file_per_machine_and_model(

@@ -152,45 +152,65 @@ PASSAGE = " ".join(PROMPTS) + "\n"
 CUT_SHARE = 0.9  # a prompt read as fewer than this share of the tokens asked for was cut by the server
 
 
-async def run_prefill(
-    client: aiohttp.ClientSession, base_url: str, model: str, settings: LoadSettings, length: int
-) -> dict[str, Any]:
-    """The time to read one prompt of about `length` tokens and answer one token, with nothing else running.
+async def run_prefills(
+    client: aiohttp.ClientSession, base_url: str, model: str, settings: LoadSettings
+) -> list[dict[str, Any]]:
+    """The time to read one prompt of about each of settings.prefill_tokens tokens and answer one token, with
+    nothing else running.
 
-    The prompt is the bench's prompts repeated, cut to `length` tokens at the server's own count of the passage
-    (a one-token probe's usage), and opened by a random line: no server can reuse a prefix it cached in an earlier
-    round. The rate is the prompt's tokens (the answer's usage) over the request's whole time."""
-    result: dict[str, Any] = {"length": length, "prompt_tokens": None, "seconds": None, "tok_s": None, "error": None}
+    Each prompt is the bench's prompts repeated, cut to its length at the server's own count of the passage (one
+    one-token probe's usage, asked once), and opened by a random line: no server can reuse a prefix it cached in an
+    earlier round. The rate is the prompt's tokens (the answer's usage) over the request's whole time."""
+    if not settings.prefill_tokens:
+        return []
     try:
         async with asyncio.timeout(settings.request_timeout_s):
-            passage = (await _complete(client, base_url, {"model": model, "prompt": PASSAGE, "max_tokens": 1}))[
-                "usage"
-            ]["prompt_tokens"]
-            chars = int(length * len(PASSAGE) / max(passage, 1))
-            text = f"Document {random.randrange(10**9)}.\n" + (PASSAGE * (chars // len(PASSAGE) + 1))[:chars]
-            body = {"model": model, "prompt": text, "max_tokens": 1, "temperature": 0}
+            probe = await _complete(client, base_url, {"model": model, "prompt": PASSAGE, "max_tokens": 1})
+        passage_tokens = max(int(probe["usage"]["prompt_tokens"]), 1)
+    except TimeoutError:
+        return [
+            _prefill_failed(n, f"no answer within {settings.request_timeout_s:g} s") for n in settings.prefill_tokens
+        ]
+    except (aiohttp.ClientError, ValueError, KeyError, TypeError) as exc:
+        return [_prefill_failed(n, f"{type(exc).__name__}: {exc}"[:300]) for n in settings.prefill_tokens]
+    return [await _run_prefill(client, base_url, model, settings, n, passage_tokens) for n in settings.prefill_tokens]
+
+
+def _prefill_failed(length: int, error: str) -> dict[str, Any]:
+    return {"length": length, "prompt_tokens": None, "seconds": None, "tok_s": None, "error": error}
+
+
+async def _run_prefill(
+    client: aiohttp.ClientSession, base_url: str, model: str, settings: LoadSettings, length: int, passage_tokens: int
+) -> dict[str, Any]:
+    """One prompt of about `length` tokens (run_prefills), the passage being `passage_tokens` of the server's."""
+    chars = int(length * len(PASSAGE) / passage_tokens)
+    text = f"Document {random.randrange(10**9)}.\n" + (PASSAGE * (chars // len(PASSAGE) + 1))[:chars]
+    body = {"model": model, "prompt": text, "max_tokens": 1, "temperature": 0}
+    try:
+        async with asyncio.timeout(settings.request_timeout_s):
             start = time.perf_counter()
             answer = await _complete(client, base_url, body)
-            result["seconds"] = time.perf_counter() - start
+            seconds = time.perf_counter() - start
+        read = int(answer["usage"]["prompt_tokens"])
     except TimeoutError:
-        result["error"] = f"no answer within {settings.request_timeout_s:g} s"
+        return _prefill_failed(length, f"no answer within {settings.request_timeout_s:g} s")
     except (aiohttp.ClientError, ValueError, KeyError, TypeError) as exc:
-        result["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        return _prefill_failed(length, f"{type(exc).__name__}: {exc}"[:300])
+    result: dict[str, Any] = {"length": length, "prompt_tokens": read, "seconds": seconds, "tok_s": None, "error": None}
+    if read < CUT_SHARE * length:  # a server that keeps a prompt's end when it overflows a slot (ik_llama.cpp)
+        result["error"] = f"the server cut the prompt to {read} tokens"
     else:
-        result["prompt_tokens"] = read = int(answer["usage"]["prompt_tokens"])
-        if read < CUT_SHARE * length:  # a server that keeps a prompt's end when it overflows a slot (ik_llama.cpp)
-            result["error"] = f"the server cut the prompt to {read} tokens"
-        else:
-            result["tok_s"] = read / result["seconds"]
+        result["tok_s"] = read / seconds
     return result
 
 
 async def prefill_only(url: str, settings: LoadSettings) -> list[dict[str, Any]]:
-    """run_prefill for each of settings.prefill_tokens, and nothing else (a server started for long prompts alone)."""
+    """run_prefills, and nothing else (a server started for long prompts alone)."""
     base_url = require_loopback(url)
     async with make_client(settings) as client:
         model, _ = await discover(client, base_url)
-        return [await run_prefill(client, base_url, model, settings, n) for n in settings.prefill_tokens]
+        return await run_prefills(client, base_url, model, settings)
 
 
 async def _complete(client: aiohttp.ClientSession, base_url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -306,7 +326,7 @@ async def bench_url(
         single = await run_single(client, base_url, model, settings, eos_ids)
         if read_bandwidth is not None:
             single["memory_read_gb_s"] = [before, read_bandwidth()]
-        prefill = [await run_prefill(client, base_url, model, settings, n) for n in settings.prefill_tokens]
+        prefill = await run_prefills(client, base_url, model, settings)
         levels = [await run_level(client, base_url, model, settings, eos_ids, c) for c in settings.concurrency]
         weight_bytes = await served_weight_bytes(client, base_url)
     return {
