@@ -69,14 +69,15 @@ def test_engine_steps_in_c_equal_the_modules_token_for_token_and_logprob_for_log
 
 
 def _counting_stack_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The layers of each decoder_forward call (a step from its ids in one call)."""
     calls: list[int] = []
-    real = ops.decoder_stack
+    real = ops.decoder_forward
 
     def counted(*args: object, **kwargs: object) -> torch.Tensor:
-        calls.append(len(args[1]))  # type: ignore[arg-type]
+        calls.append(len(args[2]))  # type: ignore[arg-type]
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(ops, "decoder_stack", counted)
+    monkeypatch.setattr(ops, "decoder_forward", counted)
     return calls
 
 
@@ -276,3 +277,32 @@ def test_a_long_context_decodes_the_same_alone_as_beside_others(tmp_path: Path) 
         core.add_request(f"short{i}", [2, 7 + i, 9], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     together = {rid: _tokens_and_logprobs(outs) for rid, outs in run_all(core).items()}
     assert {rid: together[rid] for rid in alone} == alone
+
+
+@pytest.mark.parametrize("name", ["gemma3", "llama"])
+def test_a_step_from_its_ids_grows_the_rotary_tables_and_keeps_the_modules_bits(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One C call from the token ids (the embedding's rows, Gemma's scale, the rotary rows, the final norm): a prompt
+    past the rotary tables' first 256 positions, then a longer one, as the modules compute them."""
+    path = (
+        write_tiny_gguf(tmp_path / "mixed.gguf", quantize=MIXED) if name == "gemma3" else _family_gguf(tmp_path, name)
+    )
+    calls = _counting_stack_calls(monkeypatch)
+    model = _one_global_layer(native_model(path, tmp_path / "cache"))
+    ids = torch.tensor([2, *(4 + i * 7 % 40 for i in range(299))])
+    short, long = model.forward_dense(ids), model.forward_dense(torch.cat([ids, ids[1:]]))
+    assert len(calls) == 2
+    monkeypatch.setattr(LayerStack, "enabled", False)
+    assert torch.equal(model.forward_dense(ids), short)
+    assert torch.equal(model.forward_dense(torch.cat([ids, ids[1:]])), long)
+
+
+def test_a_token_id_outside_the_embedding_is_refused_not_read(tmp_path: Path) -> None:
+    model = native_model(write_tiny_gguf(tmp_path / "mixed.gguf", quantize=MIXED), tmp_path / "cache")
+    rows = model.model.embed_tokens.get_buffer("raw").shape[0]  # type: ignore[operator]
+    with pytest.raises(ValueError, match="token id or position outside"):
+        model.forward_dense(torch.tensor([2, rows]))
+    with pytest.raises(ValueError, match="token id or position outside"):
+        model.forward_dense(torch.tensor([2, -1]))
+    assert model.forward_dense(torch.tensor([2, rows - 1])).shape[0] == 2

@@ -193,3 +193,55 @@ int decoder_stack(int gemma, const stack_layer *layers, int64_t n, const stack_k
     }
     return 0;
 }
+
+/* x: the embedding's rows of `ids` (rows checked in range), in bf16, times bf16(scale) where scale != 0: GgufEmbedding's
+ * float32 rows cast to bf16, then Gemma's `x * tensor(scale, bf16)` (float product, rounded) */
+static int embed_rows(const forward_plan *f, const int64_t *ids, int64_t t, int64_t hidden, uint16_t *x) {
+    for (int64_t r = 0; r < t; r++)
+        if (ids[r] < 0 || ids[r] >= f->embed_rows) return -3;
+    float *rows = malloc((size_t)(t * hidden) * sizeof(float));
+    if (!rows) return -2;
+    int status = gguf_dequantize_rows((int)f->embed_type, f->embed, hidden, ids, t, rows);
+    const float scale = bf16_to_float(float_to_bf16(f->embed_scale));
+    for (int64_t i = 0; !status && i < t * hidden; i++) {
+        bf16 v = float_to_bf16(rows[i]);
+        x[i] = f->embed_scale != 0.0f ? float_to_bf16(bf16_to_float(v) * scale) : v;
+    }
+    free(rows);
+    return status ? -1 : 0;
+}
+
+int decoder_forward(int gemma, const forward_plan *f, const stack_layer *layers, int64_t n, const stack_kinds *kinds,
+                    const int64_t *ids, const int64_t *positions, uint16_t *x, uint16_t *out, uint16_t *spare,
+                    int64_t t, const int64_t *slot_mapping, int threads) {
+    if (n < 1) return -1;
+    const int64_t hidden = layers[0].plan->hidden, head_dim = layers[0].plan->head_dim;
+    int status = embed_rows(f, ids, t, hidden, x);
+    if (status) return status;
+    stack_kinds step = *kinds; /* the key lists as given; each kind's rotary rows picked from its tables */
+    uint16_t *rope = malloc((size_t)(2 * STACK_KINDS * t * head_dim) * sizeof(uint16_t));
+    if (!rope) return -2;
+    for (int k = 0; k < STACK_KINDS; k++) {
+        uint16_t *cos = rope + 2 * k * t * head_dim, *sin = cos + t * head_dim;
+        step.cos[k] = cos, step.signed_sin[k] = sin;
+        if (!f->cos[k]) continue; /* a kind no layer uses */
+        for (int64_t r = 0; r < t && !status; r++) {
+            if (positions[r] < 0 || positions[r] >= f->rope_rows[k]) {
+                status = -3;
+                break;
+            }
+            memcpy(cos + r * head_dim, f->cos[k] + positions[r] * head_dim, (size_t)head_dim * sizeof(uint16_t));
+            memcpy(sin + r * head_dim, f->signed_sin[k] + positions[r] * head_dim, (size_t)head_dim * sizeof(uint16_t));
+        }
+    }
+    if (!status) status = decoder_stack(gemma, layers, n, &step, x, out, spare, t, slot_mapping, threads);
+    free(rope);
+    if (status) return status;
+    /* the final norm, into x (the stack no longer reads it) */
+    if (f->norm_weighted)
+        weighted_rms_norm(out, hidden, f->norm, x, t, hidden, f->norm_eps);
+    else
+        rms_norm(out, hidden, f->norm, x, t, hidden, f->norm_eps);
+    return 0;
+}
+

@@ -122,6 +122,23 @@ typedef struct {
 } stack_kinds;
 int decoder_stack(int gemma, const stack_layer *layers, int64_t n, const stack_kinds *kinds, const uint16_t *x,
                   uint16_t *out, uint16_t *spare, int64_t t, const int64_t *slot_mapping, int threads);
+/* decoder_forward: a step from its token ids to the final norm's output, in one call: the embedding's GGUF rows (times
+ * Gemma's scale, in bf16), each kind's rotary rows picked by position from its tables, decoder_stack, the final norm.
+ * ops.ForwardPlan mirrors forward_plan */
+typedef struct {
+    const uint8_t *embed; /* the embedding table's GGUF blocks, embed_rows rows of `hidden` weights */
+    int64_t embed_rows;
+    int64_t embed_type;
+    float embed_scale;   /* 0: none; else each row times bf16(embed_scale), in bf16 (Gemma's sqrt(hidden)) */
+    float norm_eps;
+    const float *norm;   /* the final norm's float32 factor: Gemma's 1 + w (rms_norm) or Llama's w (weighted) */
+    int64_t norm_weighted;
+    const uint16_t *cos[STACK_KINDS], *signed_sin[STACK_KINDS]; /* per kind, every position's (rope_rows, head_dim) */
+    int64_t rope_rows[STACK_KINDS];
+} forward_plan;
+int decoder_forward(int gemma, const forward_plan *f, const stack_layer *layers, int64_t n, const stack_kinds *kinds,
+                    const int64_t *ids, const int64_t *positions, uint16_t *x, uint16_t *out, uint16_t *spare,
+                    int64_t t, const int64_t *slot_mapping, int threads);
 
 /* token_splits.c: every cut of a vocabulary's pieces (code points, piece i at codes[starts[i]], lengths[i] long) into
  * two of its pieces, piece by piece, the longer left piece first: (left[j], right[j]) for j < the count returned; -1

@@ -627,6 +627,61 @@ def decoder_stack(
     return out
 
 
+class ForwardPlan(ctypes.Structure):
+    """kernels.h's forward_plan: what decoder_forward needs around the layers (the embedding's blocks and scale, the
+    final norm, each kind's rotary tables). The tensors it points into must outlive it."""
+
+    _fields_ = [
+        ("embed", ctypes.c_void_p),
+        ("embed_rows", ctypes.c_int64),
+        ("embed_type", ctypes.c_int64),
+        ("embed_scale", ctypes.c_float),
+        ("norm_eps", ctypes.c_float),
+        ("norm", ctypes.c_void_p),
+        ("norm_weighted", ctypes.c_int64),
+        ("cos", ctypes.c_void_p * STACK_KINDS),
+        ("signed_sin", ctypes.c_void_p * STACK_KINDS),
+        ("rope_rows", ctypes.c_int64 * STACK_KINDS),
+    ]
+
+
+def decoder_forward(
+    gemma: bool,
+    plan: ForwardPlan,
+    layers: ctypes.Array[StackLayer],
+    kinds: StackKinds,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    hidden: int,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """A step from token ids (T,) int64 to the final norm's output (T, hidden) bf16, a new tensor, in one C call: the
+    embedding's rows, the rotary rows of `positions`, every layer of `layers` as decoder_stack runs them (`kinds`: the
+    key lists; its cos and sin are picked here), the final norm. The tensors `plan`, `layers` and `kinds` point into
+    must outlive the call."""
+    t = ids.shape[0]
+    buffers = torch.empty(3 * t, hidden, dtype=torch.bfloat16)  # the embedded rows (then the output), and two spares
+    at, size = buffers.data_ptr(), t * hidden * 2
+    status = _lib().decoder_forward(
+        int(gemma),
+        ctypes.addressof(plan),
+        ctypes.addressof(layers),
+        len(layers),
+        ctypes.addressof(kinds),
+        ids.data_ptr(),
+        positions.data_ptr(),
+        at,
+        at + size,
+        at + 2 * size,
+        t,
+        slot_mapping.data_ptr(),
+        torch.get_num_threads(),
+    )
+    causes = "a token id or position outside its table, a plan whose shapes disagree, or a kernel not compiled in"
+    _raise_for_layer_status("decoder_forward", status, t, causes)
+    return buffers[:t]
+
+
 def token_splits(codes: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     """(left, right) piece indices for every cut of every piece into two pieces (token_splits.c), or None without
     the library. `codes`: the pieces' code points (uint32) one after another; `starts`, `lengths`: int64 per piece."""

@@ -4,6 +4,10 @@ On the bf16 + GGUF path a decode step runs a dozen small kernels per layer, and 
 views and allocations cost more than a small kernel itself. A layer class that mixes in CLayer builds its plan on
 first use (what does not change between steps: shapes, norm factors, each projection's GGUF parts) and then runs in
 one call, the same kernels in the same order as its modules call them, so the same bits.
+
+LayerStack goes further: every layer of a step in one call, and where the embedding is a GGUF table the whole step
+from its token ids to the final norm (StepPlan, ops.decoder_forward). After a step has streamed the weights through
+the caches, each torch call Python makes finds its code and data cold, so the fewer the better.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import torch
 
 from tokenmill.kernels import ops
 from tokenmill.model.attention import AttentionMetadata
-from tokenmill.model.gguf_linear import GgufLinear
+from tokenmill.model.gguf_linear import GgufEmbedding, GgufLinear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 Rope = tuple[torch.Tensor, torch.Tensor]
@@ -84,6 +88,8 @@ class LayerStack:
     enabled: ClassVar[bool] = True  # the tests turn it off to compare with a call per layer
 
     def __init__(self) -> None:
+        self._whole: StepPlan | None = None  # the step from its ids in one call (forward_ids), where it can run so
+        self._whole_caches: Sequence[KVCache] | None = None  # the caches _whole was built for
         self._caches: Sequence[KVCache] | None = None  # the caches the array was built for (the runner's, kept)
         self._layers: list[CLayer] = []  # the modules, where every one is a C layer (else empty: no stack)
         self._windows: list[int | None] = []  # their attention's windows
@@ -91,6 +97,29 @@ class LayerStack:
         self._distinct: list[tuple[int, int | None]] = []  # those pairs in order of first use: kind k is the k-th
         self._array: ctypes.Array[ops.StackLayer] | None = None
         self._gemma = False
+
+    def forward_ids(
+        self, model: Any, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[KVCache], meta: Any
+    ) -> torch.Tensor | None:
+        """The final norm's output for the step's token ids in one C call (ops.decoder_forward): the embedding, the
+        rotary rows, the layers and the final norm, the same kernels in the same order as the modules' path, so the
+        same bits. None where the model cannot run so (its embedding is no GGUF table, a layer is no C layer, ...):
+        the caller embeds and calls `forward`. Built once for a set of caches, as `forward`'s array."""
+        if not self.enabled:
+            return None
+        if kv_caches is not self._whole_caches:
+            self._whole, self._whole_caches = StepPlan.build(model, kv_caches), kv_caches
+        whole = self._whole
+        if whole is None:
+            return None
+        whole.point_at_tables(max(meta.context_lens))
+        step = ops.StackKinds()
+        for k, window in enumerate(whole.windows):
+            keys = meta.key_lists(window)
+            step.slots[k], step.offset[k], step.count[k] = (t.data_ptr() for t in keys.astuple())
+        return ops.decoder_forward(
+            whole.gemma, whole.plan, whole.layers, step, input_ids, positions, whole.hidden, meta.slot_mapping
+        )
 
     def forward(
         self,
@@ -149,6 +178,93 @@ class LayerStack:
             entry.plan, entry.kind = ctypes.addressof(plan), distinct.index(kind)
             entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
         return array
+
+
+class StepPlan:
+    """What ops.decoder_forward takes of a model for a set of caches: the forward plan (the embedding's GGUF blocks and
+    scale, the final norm, each kind's rotary tables), every layer's entry and the kinds' windows. A kind is a pair
+    (rotary module, window): Gemma 3's sliding and global layers are two, a Llama-family model's one."""
+
+    def __init__(
+        self,
+        gemma: bool,
+        plan: ops.ForwardPlan,
+        layers: ctypes.Array[ops.StackLayer],
+        rotaries: list[Any],
+        windows: list[int | None],
+        hidden: int,
+        keep: list[Any],
+    ) -> None:
+        self.gemma, self.plan, self.layers, self.hidden = gemma, plan, layers, hidden
+        self.rotaries, self.windows = rotaries, windows  # per kind
+        self._keep = keep  # what the plan points into and the model does not otherwise hold: the plans
+        self._tables: list[tuple[torch.Tensor, torch.Tensor]] = []  # the rotary tables the plan points into
+
+    @classmethod
+    def build(cls, model: Any, kv_caches: Sequence[KVCache]) -> StepPlan | None:
+        layers = list(model.model.layers)
+        embed, norm = model.model.embed_tokens, model.model.norm
+        if not layers or not all(isinstance(layer, CLayer) for layer in layers) or not _embeds_in_c(embed):
+            return None
+        weighted = not norm.offset
+        if weighted and norm.weight.dtype != torch.bfloat16:  # RMSNorm's torch path: not the C norm
+            return None
+        if any(kv[0].dtype != torch.bfloat16 for kv in kv_caches) or len(kv_caches) != len(layers):
+            return None
+        plans = [layer.c_plan_for(torch.bfloat16) for layer in layers]
+        if any(plan is None for plan in plans) or len({layer.c_kernel for layer in layers}) != 1:
+            return None
+        kinds = list(zip(model.layer_rotaries(), (layer.window for layer in layers)))
+        distinct: list[tuple[Any, int | None]] = []
+        for kind in kinds:
+            if not any(kind[0] is r and kind[1] == w for r, w in distinct):
+                distinct.append(kind)
+        if len(distinct) > ops.STACK_KINDS:
+            return None
+        array = (ops.StackLayer * len(layers))()
+        for entry, plan, (k_cache, v_cache), (rotary, window) in zip(array, plans, kv_caches, kinds):
+            entry.plan = ctypes.addressof(plan)
+            entry.kind = next(i for i, (r, w) in enumerate(distinct) if r is rotary and w == window)
+            entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+        raw = embed.get_buffer("raw")
+        forward = ops.ForwardPlan(
+            embed=raw.data_ptr(),
+            embed_rows=raw.shape[0],
+            embed_type=embed.ggml_type,
+            embed_scale=model.embed_scale() or 0.0,
+            norm_eps=norm.eps,
+            norm=norm.factor.data_ptr(),
+            norm_weighted=int(weighted),
+        )
+        gemma = layers[0].c_kernel == "gemma3_layer"
+        hidden = plans[0].hidden
+        if embed.k != hidden:
+            return None
+        return cls(gemma, forward, array, [r for r, _ in distinct], [w for _, w in distinct], hidden, plans)
+
+    def point_at_tables(self, furthest: int) -> None:
+        """Every kind's rotary tables cover positions below `furthest` (a grown table is a new tensor, pointed at)."""
+        tables = [rotary.tables(furthest, torch.bfloat16) for rotary in self.rotaries]
+        if len(tables) == len(self._tables) and all(a[0] is b[0] for a, b in zip(tables, self._tables)):
+            return
+        for k, (cos, signed_sin) in enumerate(tables):
+            self.plan.cos[k], self.plan.signed_sin[k] = cos.data_ptr(), signed_sin.data_ptr()
+            self.plan.rope_rows[k] = cos.shape[0]
+        self._tables = tables
+
+
+def _embeds_in_c(embed: Any) -> bool:
+    """The embedding is a GGUF table (GgufEmbedding, bf16 rows) whose blocks gguf_dequant.c decodes."""
+    if not isinstance(embed, GgufEmbedding) or embed.dtype != torch.bfloat16 or ops.library() is None:
+        return False
+    raw = embed.get_buffer("raw")
+    if raw.dim() != 2 or raw.dtype != torch.uint8 or not raw.is_contiguous():
+        return False
+    try:
+        ops.gguf_dequantize_rows(raw, embed.ggml_type, embed.k, torch.zeros(1, dtype=torch.int64))
+    except ValueError:
+        return False
+    return True
 
 
 def projections(attn: Any, mlp: Any) -> tuple[torch.nn.Module, ...]:

@@ -8,7 +8,7 @@ they are.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, cast
 
@@ -78,14 +78,32 @@ class CausalLM(nn.Module):
         """input_ids: (T,) → (T, H), the residual stream's start."""
         return self.model.embed_tokens(input_ids)
 
-    def layer_ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> Sequence[Rope]:
-        """One rotary (cos, sin) per layer, each computed once per forward and shared by the layers that use it."""
+    def embed_scale(self) -> float | None:
+        """What the embedding's rows are multiplied by, in the activations' dtype (Gemma's sqrt(hidden)); None: nothing."""
+        return None
+
+    def layer_rotaries(self) -> list[Rotary]:
+        """Each layer's rotary module (the layers of one kind share one)."""
         raise NotImplementedError
+
+    def layer_ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> list[Rope]:
+        """One rotary (cos, sin) per layer, each computed once per forward and shared by the layers that use it."""
+        computed: dict[int, Rope] = {}
+        ropes = []
+        for rotary in self.layer_rotaries():
+            rope = computed.get(id(rotary))
+            if rope is None:
+                rope = computed[id(rotary)] = rotary(positions, dtype)
+            ropes.append(rope)
+        return ropes
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
     ) -> torch.Tensor:
         """input_ids, positions: (T,) → final hidden states (T, hidden)."""
+        in_c = self.layer_stack.forward_ids(self, input_ids, positions, kv_caches, meta)
+        if in_c is not None:
+            return in_c
         x = self.embed(input_ids)  # (T, H)
         ropes = self.layer_ropes(positions, x.dtype)
         stacked = self.layer_stack.forward(self.model.layers, x, ropes, kv_caches, meta)
@@ -189,8 +207,8 @@ class SingleRopeCausalLM(CausalLM):
 
     model: SingleRopeModel
 
-    def layer_ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> list[Rope]:
-        return [self.model.rope(positions, dtype)] * len(self.model.layers)
+    def layer_rotaries(self) -> list[Rotary]:
+        return [self.model.rope] * len(self.model.layers)
 
 
 def empty_kv_caches(cfg: ModelConfig, num_slots: int, dtype: torch.dtype) -> list[KVCache]:

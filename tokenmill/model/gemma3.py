@@ -132,7 +132,8 @@ class Gemma3ForCausalLM(CausalLM):
         x = super().embed(input_ids)  # (T, H)
         return x * torch.tensor(self.model.embed_scale, dtype=x.dtype)  # rounded to the weights' dtype, as HF does
 
-    def layer_ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> list[Rope]:
-        rope_global = self.model.rope_global(positions, dtype)
-        rope_local = self.model.rope_local(positions, dtype)
-        return [rope_local if layer.is_sliding else rope_global for layer in self.model.layers]
+    def embed_scale(self) -> float | None:
+        return self.model.embed_scale
+
+    def layer_rotaries(self) -> list[Rotary]:
+        return [self.model.rope_local if layer.is_sliding else self.model.rope_global for layer in self.model.layers]

@@ -73,12 +73,17 @@ class Rotary(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """→ (cos, signed sin), each (T, 1, head_dim): the sin's first half negated, as `apply_rotary` wants it."""
+        cos, sin = self.tables(int(positions.max()) + 1 if positions.numel() else 0, dtype)
+        return cos[positions][:, None, :], sin[positions][:, None, :]
+
+    def tables(self, furthest: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kept (cos, signed sin) of every position up to at least `furthest` (excluded), each (rows, head_dim) in
+        `dtype`; grown by doubling where they fall short (a grown table is a new tensor)."""
         cos, sin = self._tables.get(dtype, (None, None))
-        furthest = int(positions.max()) + 1 if positions.numel() else 0
         if cos is None or sin is None or cos.shape[0] < furthest:
             size = max(furthest, 2 * cos.shape[0] if cos is not None else 256)
             cos, sin = self._tables[dtype] = self.table(torch.arange(size), dtype)
-        return cos[positions][:, None, :], sin[positions][:, None, :]
+        return cos, sin
 
     def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed sin) of `positions`, each (T, head_dim) in `dtype`."""
