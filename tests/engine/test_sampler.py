@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from tokenmill.engine.sampler import SampleInput, sample
+from tokenmill.engine.sampler import SampleInput, _greedy_by_head, sample
 from tokenmill.engine.sampling import SamplingParams
 
 
@@ -256,3 +256,39 @@ def test_the_heads_argmax_with_sparse_adjustments_gives_the_full_passes_choice()
             expected = sample(logits.clone(), [plain])[0].token_id
             hint = SampleInput(params, None, counts, banned=banned, seen={top, *below[:3]})
             assert sample(logits.clone(), [hinted(logits[0], hint)])[0].token_id == expected, (kw, banned)
+
+
+def test_greedy_rows_touched_by_bias_and_bans_alone_choose_from_a_few_values_as_the_full_pass_does() -> None:
+    """A batch of greedy rows whose raw argmax the head found, each touched only by logit_bias and bans: the choice
+    comes from those few values, adjusted in float32 as the pipeline adjusts them (sums that round, a biased id landing
+    exactly on the raw best), and equals the full pass's, row for row."""
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(4, 300, generator=g) * 3
+    rows: list[SampleInput] = []
+    for i in range(4):
+        top = int(logits[i].argmax())
+        near = [int(t) for t in logits[i].argsort(descending=True)[1:4]]
+        gap = float(logits[i, top]) - float(logits[i, near[0]])
+        bias = {near[0]: gap + 0.1 * i, near[1]: gap * 0.999, near[2]: -100.0} if i % 2 else {near[0]: gap}
+        rows.append(SampleInput(SamplingParams(temperature=0.0, logit_bias=bias), None, {}, banned=[near[2]] * (i > 1)))
+    expected = [r.token_id for r in sample(logits.clone(), rows)]
+    hinted_rows = [hinted(logits[i], r) for i, r in enumerate(rows)]
+    assert _greedy_by_head(logits, hinted_rows) is not None  # the quick path answers this batch
+    assert [r.token_id for r in sample(logits.clone(), hinted_rows)] == expected
+    assert sample(logits.clone(), hinted_rows)[0].logprob is None
+
+
+def test_the_few_values_are_adjusted_in_float32_not_in_pythons_double() -> None:
+    """A bias of 0.5 ± 2⁻³⁰ is 0.5 in float32: the biased id ties the raw best (the lower id wins), where a sum in
+    double would put it just above or just below."""
+    logits = torch.zeros(2, 8)
+    logits[0, 0], logits[0, 5] = 1.0, 0.5  # the biased id after the raw best: a tie keeps the raw best
+    logits[1, 3], logits[1, 1] = 1.0, 0.5  # the biased id before it: a tie takes the biased id
+    rows = [
+        SampleInput(SamplingParams(temperature=0.0, logit_bias={5: 0.5 + 2**-30}), None, {}, argmax=0),
+        SampleInput(SamplingParams(temperature=0.0, logit_bias={1: 0.5 - 2**-30}), None, {}, argmax=3),
+    ]
+    assert [r.token_id for r in sample(logits, rows)] == [0, 1]
+    for r in rows:
+        r.argmax = None  # the full pass over the adjusted rows agrees
+    assert [r.token_id for r in sample(logits, rows)] == [0, 1]

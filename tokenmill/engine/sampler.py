@@ -14,6 +14,7 @@ penalties), its greedy choice comes from those few values instead of another pas
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Iterator
 from collections.abc import Sequence as Seq
 from contextlib import contextmanager
@@ -72,6 +73,9 @@ def sample(logits: torch.Tensor, rows: Seq[SampleInput]) -> list[Sampled]:
     The log-normaliser (a pass over the whole vocabulary) is computed only for rows whose chosen-token logprob is
     used: logprobs were asked for, or several choices will be ranked.
     """
+    quick = _greedy_by_head(logits, rows)
+    if quick is not None:
+        return quick
     scored = [i for i, r in enumerate(rows) if r.params.logprobs is not None or r.params.n > 1]
     # one row at a time: over a few rows torch splits each row's sum between threads, over many it does not, so a
     # batched logsumexp would give a row different bits alone and under load
@@ -178,6 +182,50 @@ def disallowed(params: SamplingParams, vocab: int) -> torch.Tensor:
         mask[torch.from_numpy(np.fromiter(ids, dtype=np.int64, count=len(ids)))] = False
         params.derived[key] = mask
     return mask
+
+
+def _greedy_by_head(logits: torch.Tensor, rows: Seq[SampleInput]) -> list[Sampled] | None:
+    """The batch's tokens where every row is greedy with its raw argmax from the head's pass, asks for no logprobs
+    and is touched by logit_bias and bans alone (a decode step's usual rows, EOS banned): each row's choice among its
+    argmax and those ids, their values adjusted in float32 as `adjusted` writes them (bias added, then bans to -inf),
+    without writing into the logits: one gather in all. None where a row needs the whole pipeline."""
+    candidates: list[list[int]] = []
+    for r in rows:
+        p, a = r.params, r.argmax
+        if (
+            a is None
+            or not p.greedy
+            or p.logprobs is not None
+            or p.n > 1
+            or p.allowed_token_ids is not None
+            or r.mask is not None
+            or p.repetition_penalty != 1.0
+            or p.has_penalties
+            or a in p.logit_bias
+            or a in r.banned
+        ):
+            return None
+        candidates.append([a, *p.logit_bias, *r.banned])
+    vocab = logits.shape[-1]
+    at = [i * vocab + token for i, ids in enumerate(candidates) for token in ids]
+    values = logits.view(-1)[torch.tensor(at, dtype=torch.long)].tolist() if len(at) > len(rows) else []
+    results, k = [], 0
+    for r, ids in zip(rows, candidates):
+        if len(ids) == 1:  # nothing touches the row: its argmax
+            results.append(Sampled(ids[0], None, []))
+            k += 1
+            continue
+        row = dict(zip(ids, values[k : k + len(ids)]))
+        k += len(ids)
+        if not math.isfinite(row[ids[0]]):
+            return None  # the pipeline says what is wrong with the row
+        for token, bias in r.params.logit_bias.items():
+            row[token] = float(np.float32(row[token]) + np.float32(bias))
+        for token in r.banned:
+            row[token] = -math.inf
+        best = max(row.values())
+        results.append(Sampled(min(token for token, v in row.items() if v == best), None, []))
+    return results
 
 
 def _from_head_argmax(processed: torch.Tensor, rows: Seq[SampleInput], greedy: list[int]) -> dict[int, int]:
