@@ -21,7 +21,7 @@ def scheduled(context: int, new: int, first_block: int) -> SimpleNamespace:
 
 def test_each_position_gets_the_slot_its_block_table_gives_it() -> None:
     runner = ModelRunner.__new__(ModelRunner)  # prepare needs the block size alone
-    runner.block_size, runner._offsets = 4, torch.arange(4)
+    runner.block_size, runner._block_slots = 4, torch.arange(100 * 4).view(100, 4)
     batch = [scheduled(9, 1, 0), scheduled(6, 6, 20), scheduled(4, 1, 40), scheduled(13, 5, 60)]  # decodes, prefills
     ids, pos, meta = runner.prepare(batch)  # type: ignore[arg-type]
     expected_pos = [

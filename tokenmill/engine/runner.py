@@ -20,7 +20,7 @@ class ModelRunner:
         self.block_size = block_size
         self.dtype = next(model.parameters()).dtype
         self.kv_caches = allocate_kv_tensors(cfg, num_blocks, block_size, self.dtype)
-        self._offsets = torch.arange(block_size)
+        self._block_slots = torch.arange(num_blocks * block_size).view(num_blocks, block_size)  # block → its slots
 
     @torch.inference_mode()
     def forward(self, batch: Seq[Scheduled]) -> torch.Tensor:
@@ -42,28 +42,30 @@ class ModelRunner:
         return self.model.compute_logits_summarised(hidden, keep)
 
     def prepare(self, batch: Seq[Scheduled]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
+        new_slots: list[int] = []  # the cache slot of each new token
         context_lens: list[int] = []
         blocks: list[int] = []  # each sequence's blocks that hold its context, back to back
         starts: list[int] = []  # where each sequence's slots begin among all of them
         for s in batch:
-            start, end = s.seq.num_computed_tokens, s.seq.num_computed_tokens + s.num_tokens
-            ids.extend(s.seq.token_ids[start:end])
+            seq = s.seq
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + s.num_tokens
+            table = seq.block_table
+            ids.extend(seq.token_ids[start:end])
             pos.extend(range(start, end))
+            new_slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             context_lens.append(end)
-            starts.append(len(blocks) * self.block_size)
-            blocks.extend(s.seq.block_table[: -(-end // self.block_size)])
-        # every sequence's cache slots in one tensor op (a decode step has a dozen sequences or more); each
-        # sequence's are a view of it
-        all_slots = (torch.tensor(blocks, dtype=torch.long)[:, None] * self.block_size + self._offsets).flatten()
-        kv_slots = [all_slots[at : at + end] for at, end in zip(starts, context_lens)]
-        slots = [seq_slots[end - s.num_tokens :] for seq_slots, end, s in zip(kv_slots, context_lens, batch)]
+            starts.append(len(blocks) * bs)
+            blocks.extend(table[: -(-end // bs)])
+        # every sequence's cache slots, block by block, in one lookup (a decode step has a dozen sequences or more)
         meta = AttentionMetadata(
-            slot_mapping=torch.cat(slots),
+            slot_mapping=torch.tensor(new_slots),
             query_lens=[s.num_tokens for s in batch],
             context_lens=context_lens,
-            kv_slots=kv_slots,
+            slots=self._block_slots[blocks].view(-1),
+            starts=starts,
         )
         return torch.tensor(ids), torch.tensor(pos), meta
 

@@ -40,7 +40,10 @@ def gather_logits(
     (one row): it is greedy and its sampling reads only its argmax and these ids' logits (greedy_keep).
     """
     distinct = sorted(set(rows))
-    logits, summary = runner.logits_summarised(hidden[distinct], keep if len(rows) == 1 else None)  # (R, V)
+    first, last = distinct[0], distinct[-1]
+    # a run of neighbouring rows (a decode step's usual rows) as a view, not an indexed copy
+    picked = hidden[first : last + 1] if last - first + 1 == len(distinct) else hidden[distinct]
+    logits, summary = runner.logits_summarised(picked, keep if len(rows) == 1 else None)  # (R, V)
     if rows != distinct:
         index = {r: i for i, r in enumerate(distinct)}
         where = [index[r] for r in rows]

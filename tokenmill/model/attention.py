@@ -57,17 +57,35 @@ class AttentionMetadata:
     """Where one step's tokens sit in the flat batch and in the paged cache. Built by the runner, read by attention.
 
     The step's T tokens are laid out sequence after sequence; sequence i owns `query_lens[i]` of them, which are the
-    last positions of its `context_lens[i]`-long context. `kv_slots[i]` lists the cache slot of every position of that
-    context (block table expanded). The row batches depend only on these and on the layer's window, so they are built
-    once per step and window and shared by all layers of that kind.
+    last positions of its `context_lens[i]`-long context. The cache slot of every position of that context lies in
+    `slots` from `starts[i]` on (its block table expanded, whole blocks: slots past the context follow it). The row
+    batches and key lists depend only on these and on the layer's window, so they are built once per step and window
+    and shared by all layers of that kind.
     """
 
     slot_mapping: torch.Tensor  # (T,) cache slot each new token's K/V is written to
     query_lens: list[int]
     context_lens: list[int]
-    kv_slots: list[torch.Tensor]  # per sequence (context_len,)
+    slots: torch.Tensor  # every sequence's context slots, sequence after sequence
+    starts: list[int]  # where each sequence's begin in `slots`
     _plans: dict[int | None, list[RowBatch]] = field(default_factory=dict, repr=False)
     _key_lists: dict[int | None, KeyLists] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_kv_slots(
+        cls, slot_mapping: torch.Tensor, query_lens: list[int], context_lens: list[int], kv_slots: list[torch.Tensor]
+    ) -> AttentionMetadata:
+        """From each sequence's (context_len,) slots, as separate tensors."""
+        starts = [0]
+        for ctx_len in context_lens[:-1]:
+            starts.append(starts[-1] + ctx_len)
+        slots = kv_slots[0] if len(kv_slots) == 1 else torch.cat(kv_slots)
+        return cls(slot_mapping, query_lens, context_lens, slots, starts)
+
+    @property
+    def kv_slots(self) -> list[torch.Tensor]:
+        """Per sequence, its (context_len,) slots: views of `slots`."""
+        return [self.slots[at : at + ctx_len] for at, ctx_len in zip(self.starts, self.context_lens)]
 
     def key_lists(self, window: int | None) -> KeyLists:
         """Each query row's visible keys as a slice of one flat slot list (the C kernel's input), per window."""
@@ -86,7 +104,7 @@ class AttentionMetadata:
 class KeyLists:
     """Row r of the step sees the cache slots slots[offset[r] : offset[r] + count[r]], in position order."""
 
-    slots: torch.Tensor  # (sum of context lengths,) every sequence's slots, sequence after sequence
+    slots: torch.Tensor  # every sequence's slots, sequence after sequence (AttentionMetadata.slots)
     offset: torch.Tensor  # (T,)
     count: torch.Tensor  # (T,)
 
@@ -97,15 +115,12 @@ class KeyLists:
 def plan_key_lists(meta: AttentionMetadata, window: int | None) -> KeyLists:
     offset: list[int] = []
     count: list[int] = []
-    base = 0
-    for q_len, ctx_len in zip(meta.query_lens, meta.context_lens):
+    for q_len, ctx_len, base in zip(meta.query_lens, meta.context_lens, meta.starts):
         for end in range(ctx_len - q_len + 1, ctx_len + 1):  # the row at position end - 1 sees [lo, end)
             lo = max(0, end - window) if window is not None else 0
             offset.append(base + lo)
             count.append(end - lo)
-        base += ctx_len
-    slots = meta.kv_slots[0] if len(meta.kv_slots) == 1 else torch.cat(meta.kv_slots)
-    return KeyLists(slots, torch.tensor(offset), torch.tensor(count))
+    return KeyLists(meta.slots, torch.tensor(offset), torch.tensor(count))
 
 
 def plan_row_batches(meta: AttentionMetadata, window: int | None, row_width: int) -> list[RowBatch]:
