@@ -14,6 +14,7 @@ penalties), its greedy choice comes from those few values instead of another pas
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Collection, Iterator
 from collections.abc import Sequence as Seq
@@ -208,7 +209,7 @@ def _greedy_by_head(logits: torch.Tensor, rows: Seq[SampleInput]) -> list[Sample
         candidates.append([a, *p.logit_bias, *r.banned])
     vocab = logits.shape[-1]
     at = [i * vocab + token for i, ids in enumerate(candidates) for token in ids]
-    values = logits.view(-1)[torch.tensor(at, dtype=torch.long)].tolist() if len(at) > len(rows) else []
+    values = _read_floats(logits, at) if len(at) > len(rows) else []
     results, k = [], 0
     for r, ids in zip(rows, candidates):
         if len(ids) == 1:  # nothing touches the row: its argmax
@@ -226,6 +227,16 @@ def _greedy_by_head(logits: torch.Tensor, rows: Seq[SampleInput]) -> list[Sample
         best = max(row.values())
         results.append(Sampled(min(token for token, v in row.items() if v == best), None, []))
     return results
+
+
+def _read_floats(logits: torch.Tensor, at: list[int]) -> list[float]:
+    """The float32 logits at flat indices `at`. A contiguous CPU tensor's are read in place, through ctypes: this runs
+    right after the LM head has streamed its weights through the caches, where an indexing call into torch finds its
+    code cold and costs more than the read."""
+    if logits.dtype != torch.float32 or logits.device.type != "cpu" or not logits.is_contiguous():
+        return logits.reshape(-1)[torch.tensor(at, dtype=torch.long)].tolist()
+    flat = (ctypes.c_float * logits.numel()).from_address(logits.data_ptr())
+    return [flat[i] for i in at]
 
 
 def _from_head_argmax(processed: torch.Tensor, rows: Seq[SampleInput], greedy: list[int]) -> dict[int, int]:

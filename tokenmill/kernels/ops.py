@@ -457,18 +457,20 @@ def gguf_greedy_row(
     if x.shape[0] != 1 or x.stride(-1) != 1:
         raise ValueError("gguf_greedy_row: x must be one contiguous row")
     out = torch.empty(1, n, dtype=torch.float32)
-    argmax = torch.empty(1, dtype=torch.int64)
-    ids = torch.tensor(keep, dtype=torch.int64)
+    # plain ctypes values, not tensors: this runs once a token right after the weights went through the caches,
+    # where each torch call finds its code cold
+    argmax = ctypes.c_int64()
+    ids = (ctypes.c_int64 * len(keep))(*keep)
     status = _lib().gguf_greedy_row(
         x.data_ptr(),
         x.shape[1],
         high6.data_ptr(),
         packed.data_ptr(),
         n,
-        ids.data_ptr(),
+        ctypes.addressof(ids),
         len(keep),
         out.data_ptr(),
-        argmax.data_ptr(),
+        ctypes.addressof(argmax),
         torch.get_num_threads(),
     )
     if status == 1:
@@ -477,7 +479,7 @@ def gguf_greedy_row(
         raise MemoryError("gguf_greedy_row: no memory for its scratch")
     if status:
         raise ValueError(f"gguf_greedy_row: rows of {x.shape[1]} or keep {list(keep)[:8]} not taken")
-    return out, int(argmax.item())
+    return out, argmax.value
 
 
 class GgufPart(ctypes.Structure):

@@ -113,6 +113,12 @@ class KeyLists:
 
 
 def plan_key_lists(meta: AttentionMetadata, window: int | None) -> KeyLists:
+    offset, count = key_list_bounds(meta, window)
+    return KeyLists(meta.slots, torch.tensor(offset), torch.tensor(count))
+
+
+def key_list_bounds(meta: AttentionMetadata, window: int | None) -> tuple[list[int], list[int]]:
+    """Each query row's first visible slot in `meta.slots` and how many it sees, as KeyLists holds them."""
     offset: list[int] = []
     count: list[int] = []
     for q_len, ctx_len, base in zip(meta.query_lens, meta.context_lens, meta.starts):
@@ -120,7 +126,7 @@ def plan_key_lists(meta: AttentionMetadata, window: int | None) -> KeyLists:
             lo = max(0, end - window) if window is not None else 0
             offset.append(base + lo)
             count.append(end - lo)
-    return KeyLists(meta.slots, torch.tensor(offset), torch.tensor(count))
+    return offset, count
 
 
 def plan_row_batches(meta: AttentionMetadata, window: int | None, row_width: int) -> list[RowBatch]:

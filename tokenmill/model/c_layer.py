@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import torch
 
 from tokenmill.kernels import ops
-from tokenmill.model.attention import AttentionMetadata
+from tokenmill.model.attention import AttentionMetadata, key_list_bounds
 from tokenmill.model.gguf_linear import GgufEmbedding, GgufLinear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -99,7 +99,12 @@ class LayerStack:
         self._gemma = False
 
     def forward_ids(
-        self, model: Any, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[KVCache], meta: Any
+        self,
+        model: Any,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[KVCache],
+        meta: AttentionMetadata,
     ) -> torch.Tensor | None:
         """The final norm's output for the step's token ids in one C call (ops.decoder_forward): the embedding, the
         rotary rows, the layers and the final norm, the same kernels in the same order as the modules' path, so the
@@ -114,9 +119,13 @@ class LayerStack:
             return None
         whole.point_at_tables(max(meta.context_lens))
         step = ops.StackKinds()
+        keep = []  # the arrays `step` points into, alive through the call
         for k, window in enumerate(whole.windows):
-            keys = meta.key_lists(window)
-            step.slots[k], step.offset[k], step.count[k] = (t.data_ptr() for t in keys.astuple())
+            # plain ctypes arrays, not tensors: each torch call here would find its code cold after the last step
+            offset, count = ((ctypes.c_int64 * len(b))(*b) for b in key_list_bounds(meta, window))
+            keep += [offset, count]
+            step.slots[k] = meta.slots.data_ptr()
+            step.offset[k], step.count[k] = ctypes.addressof(offset), ctypes.addressof(count)
         return ops.decoder_forward(
             whole.gemma, whole.plan, whole.layers, step, input_ids, positions, whole.hidden, meta.slot_mapping
         )
