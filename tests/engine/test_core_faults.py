@@ -104,12 +104,12 @@ def test_a_failed_forward_pass_fails_its_batch_and_the_engine_goes_on() -> None:
     forward = core.runner.forward
     calls = 0
 
-    def once_broken(batch: list[Scheduled]) -> torch.Tensor:
+    def once_broken(batch: list[Scheduled], greedy_keep: list[int] | None = None) -> torch.Tensor:
         nonlocal calls
         calls += 1
         if calls == 1:
             raise RuntimeError("injected forward fault")
-        return forward(batch)
+        return forward(batch, greedy_keep)
 
     core.runner.forward = once_broken  # type: ignore[method-assign]
     first = core.step()

@@ -88,15 +88,22 @@ def test_a_lone_greedy_row_decodes_the_same_from_the_heads_6_bit_copy(
     """The copy's pass answers only where the row's sampling reads nothing but its argmax and the ids it changes; its
     tokens are those of the full pass, each request alone, with and without the copy."""
     path = write_tiny_gguf(tmp_path / "q8.gguf", quantize=True)  # a Q8_0 head
-    answered: list[str] = []
-    greedy_row = ops.gguf_greedy_row
+    answered: list[str] = []  # a prompt's first token: the head's own call
+    in_call: list[str] = []  # a decode row's: in the same C call as the layers
+    greedy_row, step = ops.gguf_greedy_row, ops.decoder_forward
 
     def watched(*args):  # type: ignore[no-untyped-def]
         found = greedy_row(*args)
         answered.append(name if found is not None else "")
         return found
 
+    def watched_step(*args):  # type: ignore[no-untyped-def]
+        hidden, found = step(*args)
+        in_call.append(name if found is not None else "")
+        return hidden, found
+
     monkeypatch.setattr(ops, "gguf_greedy_row", watched)
+    monkeypatch.setattr(ops, "decoder_forward", watched_step)
     tokens: dict[bool, dict[str, list[int]]] = {}
     for copy in (True, False):
         config = Config(model=str(path), cache_dir=str(tmp_path / "cache"), greedy_head=copy)
@@ -107,5 +114,33 @@ def test_a_lone_greedy_row_decodes_the_same_from_the_heads_6_bit_copy(
             core.add_request(name, [2, 5 + i, 9, 14, 3], params)
             tokens[copy][name] = [t for o in run_all(core)[name] for d in o.deltas for t in d.token_ids]
     assert tokens[True] == tokens[False]
-    assert {"plain", "biased", "forced", "banned", "penalised"} <= set(answered)
-    assert not {"with logprobs", "sampled"} & set(answered)
+    assert {"plain", "biased", "forced", "banned", "penalised"} <= {*answered, *in_call}
+    assert {"plain", "biased"} <= set(answered) & set(in_call)  # the first token in the head's call, the rest in one
+    assert not {"with logprobs", "sampled"} & {*answered, *in_call}
+
+
+def test_a_decode_row_whose_copy_cannot_answer_takes_the_full_pass_and_rests_the_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the copy's pass in the layers' call cannot answer, the row's head is the full pass, the same tokens, and
+    the next rows go straight to the full pass for a while (as when the head's own call misses)."""
+    path = write_tiny_gguf(tmp_path / "q8.gguf", quantize=True)
+    params = SamplingParams(max_tokens=12, temperature=0.0, logit_bias={1: -100.0})
+
+    def tokens(core: EngineCore) -> list[int]:
+        core.add_request("r", [2, 5, 9, 14, 3], params)
+        return [t for o in run_all(core)["r"] for d in o.deltas for t in d.token_ids]
+
+    config = Config(model=str(path), cache_dir=str(tmp_path / "cache"))
+    expected = tokens(load_engine_core(config).core)
+    asked: list[bool] = []
+    step = ops.decoder_forward
+
+    def missing(*args):  # type: ignore[no-untyped-def]
+        asked.append(len(args) > 8 and args[8] is not None)
+        hidden, _ = step(*args)
+        return hidden, None  # as gguf_greedy_row's status 1
+
+    monkeypatch.setattr(ops, "decoder_forward", missing)
+    assert tokens(load_engine_core(config).core) == expected
+    assert asked[:2] == [False, True] and not any(asked[2:]), "".join(str(int(a)) for a in asked)

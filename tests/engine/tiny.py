@@ -128,13 +128,14 @@ def poison_hidden(core: EngineCore, is_bad: Callable[[Sequence], bool]) -> None:
     """Every forward pass writes NaN into the hidden states of the rows of sequences that `is_bad` picks."""
     forward = core.runner.forward
 
-    def poisoned(batch: list[Scheduled]) -> torch.Tensor:
-        hidden = forward(batch)
+    def poisoned(batch: list[Scheduled], greedy_keep: list[int] | None = None) -> torch.Tensor:
+        hidden = forward(batch, greedy_keep)
         row = 0
         with torch.inference_mode():
             for s in batch:
                 if is_bad(s.seq):
                     hidden[row : row + s.num_tokens] = float("nan")
+                    core.runner.head = None  # a head found in the forward's call saw the rows unpoisoned
                 row += s.num_tokens
         return hidden
 

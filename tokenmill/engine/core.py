@@ -125,7 +125,7 @@ class EngineCore:
 
     def _forward(self, batch: list[Scheduled]) -> torch.Tensor | None:
         try:
-            return self.runner.forward(batch)
+            return self.runner.forward(batch, self._lone_greedy_keep(batch))
         except Exception as exc:  # the batch's KV state is unknown: fail its requests, keep the waiting ones
             log.exception("forward pass failed")
             for request_id in dict.fromkeys(s.seq.request_id for s in batch):
@@ -168,7 +168,11 @@ class EngineCore:
         if not to_sample:
             return
         keep = self._greedy_keep(to_sample[0][1]) if len(to_sample) == 1 else None
-        logits, summary = gather_logits(self.runner, hidden, [r for r, _ in to_sample], keep)  # (N, V)
+        head = self.runner.head if keep is not None and to_sample[0][0] == hidden.shape[0] - 1 else None
+        if head is not None:  # the row's head ran in the forward's call, with this keep (_lone_greedy_keep)
+            logits, summary = head
+        else:
+            logits, summary = gather_logits(self.runner, hidden, [r for r, _ in to_sample], keep)  # (N, V)
         for i in non_finite_rows(logits, summary):  # fails its request alone; the rest of the batch samples as usual
             self.fail(to_sample[i][1].request_id, "the model produced non-finite logits for this request")
         argmax: list[int | None] = list(summary.argmax) if summary is not None else [None] * len(to_sample)
@@ -199,6 +203,16 @@ class EngineCore:
             except Exception as exc:
                 log.exception("sampling or detokenising %s failed", seq.request_id)
                 self.fail(seq.request_id, _describe(exc))
+
+    def _lone_greedy_keep(self, batch: list[Scheduled]) -> list[int] | None:
+        """Where the step is one sequence's decode row, sampled alone and greedily from its argmax and a few ids:
+        those ids (the runner may then run the head in the same call as the layers); else None."""
+        if len(batch) != 1 or batch[0].num_tokens != 1:
+            return None
+        seq = batch[0].seq
+        if seq.num_computed_tokens + 1 != seq.num_tokens or seq.num_computed_tokens < seq.num_prompt_tokens:
+            return None  # not a decode row that samples after this step
+        return self._greedy_keep(seq)
 
     def _greedy_keep(self, seq: Sequence) -> list[int] | None:
         """A lone row's ids whose logits its sampling reads besides its argmax, where it reads no others (greedy_keep):

@@ -20,12 +20,23 @@ class ModelRunner:
         self.block_size = block_size
         self.dtype = next(model.parameters()).dtype
         self.kv_caches = allocate_kv_tensors(cfg, num_blocks, block_size, self.dtype)
+        self.head: tuple[torch.Tensor, HeadSummary | None] | None = None  # see forward
         self._block_slots = torch.arange(num_blocks * block_size).view(num_blocks, block_size)  # block → its slots
 
     @torch.inference_mode()
-    def forward(self, batch: Seq[Scheduled]) -> torch.Tensor:
-        """Runs the step's tokens through the model; returns final hidden states (T, hidden), batch order."""
+    def forward(self, batch: Seq[Scheduled], greedy_keep: list[int] | None = None) -> torch.Tensor:
+        """Runs the step's tokens through the model; returns final hidden states (T, hidden), batch order.
+
+        `greedy_keep`: the step's last row will be sampled alone and greedily, reading only its argmax and these
+        ids' logits (sample_step.greedy_keep). Its head may then run in the same call as the layers: its logits and
+        summary are left in `head` (else None), as logits_summarised(that row, greedy_keep) would give them."""
         input_ids, positions, meta = self.prepare(batch)
+        self.head = None
+        if greedy_keep is not None:
+            found = self.model.forward_greedy(input_ids, positions, self.kv_caches, meta, greedy_keep)
+            if found is not None:
+                hidden, self.head = found
+                return hidden
         return self.model(input_ids, positions, self.kv_caches, meta)
 
     @torch.inference_mode()

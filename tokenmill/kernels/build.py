@@ -113,7 +113,7 @@ SIGNATURES: dict[str, tuple[CType | None, list[CType]]] = {
     "gemma3_layer": (_INT, [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT]),
     "llama_layer": (_INT, [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT]),
     "decoder_stack": (_INT, [_INT, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _INT]),
-    "decoder_forward": (_INT, [_INT, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _INT]),
+    "decoder_forward": (_INT, [_INT, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _INT]),
     "token_splits": (_I64, [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64]),
 }
 _warned: set[str] = set()

@@ -213,7 +213,7 @@ static int embed_rows(const forward_plan *f, const int64_t *ids, int64_t t, int6
 
 int decoder_forward(int gemma, const forward_plan *f, const stack_layer *layers, int64_t n, const stack_kinds *kinds,
                     const int64_t *ids, const int64_t *positions, uint16_t *x, uint16_t *out, uint16_t *spare,
-                    int64_t t, const int64_t *slot_mapping, int threads) {
+                    int64_t t, const int64_t *slot_mapping, greedy_head *head, int threads) {
     if (n < 1) return -1;
     const int64_t hidden = layers[0].plan->hidden, head_dim = layers[0].plan->head_dim;
     int status = embed_rows(f, ids, t, hidden, x);
@@ -242,6 +242,10 @@ int decoder_forward(int gemma, const forward_plan *f, const stack_layer *layers,
         weighted_rms_norm(out, hidden, f->norm, x, t, hidden, f->norm_eps);
     else
         rms_norm(out, hidden, f->norm, x, t, hidden, f->norm_eps);
+    /* the last row's greedy head, without going back to Python between the two (the caller reads its status) */
+    if (head)
+        head->status = gguf_greedy_row(x + (t - 1) * hidden, hidden, head->high6, head->w, head->n, head->keep,
+                                       head->kept, head->out, &head->argmax, threads);
     return 0;
 }
 

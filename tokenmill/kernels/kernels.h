@@ -136,9 +136,19 @@ typedef struct {
     const uint16_t *cos[STACK_KINDS], *signed_sin[STACK_KINDS]; /* per kind, every position's (rope_rows, head_dim) */
     int64_t rope_rows[STACK_KINDS];
 } forward_plan;
+/* a lone greedy row's LM head in the same call (gguf_greedy_row on the step's last row): its arguments, and its
+ * status (gguf_greedy_row's return) and argmax once the call is done; ops.GreedyHead mirrors it */
+typedef struct {
+    const uint8_t *high6, *w;
+    int64_t n;
+    const int64_t *keep;
+    int64_t kept;
+    float *out;
+    int64_t argmax, status;
+} greedy_head;
 int decoder_forward(int gemma, const forward_plan *f, const stack_layer *layers, int64_t n, const stack_kinds *kinds,
                     const int64_t *ids, const int64_t *positions, uint16_t *x, uint16_t *out, uint16_t *spare,
-                    int64_t t, const int64_t *slot_mapping, int threads);
+                    int64_t t, const int64_t *slot_mapping, greedy_head *head, int threads);
 
 /* token_splits.c: every cut of a vocabulary's pieces (code points, piece i at codes[starts[i]], lengths[i] long) into
  * two of its pieces, piece by piece, the longer left piece first: (left[j], right[j]) for j < the count returned; -1

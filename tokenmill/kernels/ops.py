@@ -647,6 +647,22 @@ class ForwardPlan(ctypes.Structure):
     ]
 
 
+class GreedyHead(ctypes.Structure):
+    """kernels.h's greedy_head: a lone greedy row's LM head in decoder_forward's call (gguf_greedy_row's arguments),
+    and its status and argmax once done."""
+
+    _fields_ = [
+        ("high6", ctypes.c_void_p),
+        ("w", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+        ("keep", ctypes.c_void_p),
+        ("kept", ctypes.c_int64),
+        ("out", ctypes.c_void_p),
+        ("argmax", ctypes.c_int64),
+        ("status", ctypes.c_int64),
+    ]
+
+
 def decoder_forward(
     gemma: bool,
     plan: ForwardPlan,
@@ -656,14 +672,24 @@ def decoder_forward(
     positions: torch.Tensor,
     hidden: int,
     slot_mapping: torch.Tensor,
-) -> torch.Tensor:
+    greedy: tuple[torch.Tensor, torch.Tensor, int, Sequence[int]] | None = None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, int] | None]:
     """A step from token ids (T,) int64 to the final norm's output (T, hidden) bf16, a new tensor, in one C call: the
     embedding's rows, the rotary rows of `positions`, every layer of `layers` as decoder_stack runs them (`kinds`: the
     key lists; its cos and sin are picked here), the final norm. The tensors `plan`, `layers` and `kinds` point into
-    must outlive the call."""
+    must outlive the call.
+
+    `greedy`: (6-bit copy, regrouped head, N, keep) to run gguf_greedy_row on the last row in the same call, whose
+    (logits, argmax) come second, or None where that pass could not answer (the caller takes the full pass)."""
     t = ids.shape[0]
     buffers = torch.empty(3 * t, hidden, dtype=torch.bfloat16)  # the embedded rows (then the output), and two spares
     at, size = buffers.data_ptr(), t * hidden * 2
+    head, logits, keep = None, None, None
+    if greedy is not None:
+        high6, packed, n, kept = greedy
+        logits = torch.empty(1, n, dtype=torch.float32)
+        keep = (ctypes.c_int64 * len(kept))(*kept)
+        head = GreedyHead(high6.data_ptr(), packed.data_ptr(), n, ctypes.addressof(keep), len(kept), logits.data_ptr())
     status = _lib().decoder_forward(
         int(gemma),
         ctypes.addressof(plan),
@@ -677,11 +703,18 @@ def decoder_forward(
         at + 2 * size,
         t,
         slot_mapping.data_ptr(),
+        ctypes.addressof(head) if head is not None else None,
         torch.get_num_threads(),
     )
     causes = "a token id or position outside its table, a plan whose shapes disagree, or a kernel not compiled in"
     _raise_for_layer_status("decoder_forward", status, t, causes)
-    return buffers[:t]
+    if head is None or logits is None or head.status == 1:
+        return buffers[:t], None
+    if head.status == -2:
+        raise MemoryError("decoder_forward: no memory for the greedy head's scratch")
+    if head.status:
+        raise ValueError(f"decoder_forward: the greedy head takes no rows of {hidden}, or not this keep")
+    return buffers[:t], (logits, head.argmax)
 
 
 def token_splits(codes: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:

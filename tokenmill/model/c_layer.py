@@ -105,11 +105,13 @@ class LayerStack:
         positions: torch.Tensor,
         kv_caches: Sequence[KVCache],
         meta: AttentionMetadata,
-    ) -> torch.Tensor | None:
+        greedy: tuple[torch.Tensor, torch.Tensor, int, list[int]] | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, int] | None] | None:
         """The final norm's output for the step's token ids in one C call (ops.decoder_forward): the embedding, the
         rotary rows, the layers and the final norm, the same kernels in the same order as the modules' path, so the
         same bits. None where the model cannot run so (its embedding is no GGUF table, a layer is no C layer, ...):
-        the caller embeds and calls `forward`. Built once for a set of caches, as `forward`'s array."""
+        the caller embeds and calls `forward`. Built once for a set of caches, as `forward`'s array. `greedy`: the
+        last row's greedy head in the same call (ops.decoder_forward), whose answer comes second."""
         if not self.enabled:
             return None
         if kv_caches is not self._whole_caches:
@@ -127,7 +129,7 @@ class LayerStack:
             step.slots[k] = meta.slots.data_ptr()
             step.offset[k], step.count[k] = ctypes.addressof(offset), ctypes.addressof(count)
         return ops.decoder_forward(
-            whole.gemma, whole.plan, whole.layers, step, input_ids, positions, whole.hidden, meta.slot_mapping
+            whole.gemma, whole.plan, whole.layers, step, input_ids, positions, whole.hidden, meta.slot_mapping, greedy
         )
 
     def forward(

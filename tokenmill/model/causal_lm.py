@@ -103,7 +103,7 @@ class CausalLM(nn.Module):
         """input_ids, positions: (T,) → final hidden states (T, hidden)."""
         in_c = self.layer_stack.forward_ids(self, input_ids, positions, kv_caches, meta)
         if in_c is not None:
-            return in_c
+            return in_c[0]
         x = self.embed(input_ids)  # (T, H)
         ropes = self.layer_ropes(positions, x.dtype)
         stacked = self.layer_stack.forward(self.model.layers, x, ropes, kv_caches, meta)
@@ -112,6 +112,33 @@ class CausalLM(nn.Module):
         for layer, rope, kv_cache in zip(self.model.layers, ropes, kv_caches):
             x = layer(x, rope, kv_cache, meta)
         return self.model.norm(x)
+
+    def forward_greedy(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+        keep: list[int],
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, HeadSummary | None]] | None:
+        """forward, and the last row's logits as compute_logits_summarised(last row, keep) gives them, with the head's
+        pass in the same C call as the layers where a Q8_0 head's 6-bit copy can answer (no Python between the two
+        passes over the weights); None where the step does not run so (the caller takes forward, then the head)."""
+        head = self.lm_head
+        if not isinstance(head, GgufLinear) or self.config.final_logit_softcapping:
+            return None
+        copy = head.greedy_parts()
+        if copy is None:
+            return None
+        found = self.layer_stack.forward_ids(self, input_ids, positions, kv_caches, meta, (*copy, keep))
+        if found is None:
+            return None
+        hidden, answer = found
+        if answer is None:  # the copy could not answer: the full pass, as greedy_row's caller takes it
+            head.greedy_missed()
+            return hidden, self.compute_logits_summarised(hidden[-1:])
+        logits, argmax = answer
+        return hidden, (logits, HeadSummary([argmax], [True]))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (N, H) → float32 logits (N, V) (Gemma 2's soft-capped: cap * tanh(logits / cap))."""

@@ -151,8 +151,21 @@ class GgufLinear(nn.Module):
         name, _, n, _ = self._calls[0]
         found = ops.gguf_greedy_row(_kernel_rows(x.reshape(-1, self.k)), self.high6, self.get_buffer(name), n, keep)
         if found is None:
-            self._greedy_rest = GREEDY_REST
+            self.greedy_missed()
         return found
+
+    def greedy_parts(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """What a lone greedy row's pass reads (the 6-bit copy, the regrouped head, its width), where the next row is
+        to try it; None without the copy, or while the rows after a miss go to the full pass (greedy_row counts
+        them, so a row that finds the copy resting here goes on to greedy_row)."""
+        if self.high6 is None or self._greedy_rest:
+            return None
+        name, _, n, _ = self._calls[0]
+        return self.high6, self.get_buffer(name), n
+
+    def greedy_missed(self) -> None:
+        """The copy could not answer a row: the next GREEDY_REST rows take the full pass."""
+        self._greedy_rest = GREEDY_REST
 
 
 _KERNEL_OUT = (torch.bfloat16, torch.float32)
