@@ -8,7 +8,8 @@ python scripts/engine_speed.py --batch 1 --no-greedy-head   # a lone greedy row'
 Besides the aggregate it prints where a step goes, as medians over the decode steps: the model's layers (the
 runner's forward), the LM head (the runner's logits_summarised: a GGUF head's pass finds each row's argmax and
 checks it finite as well) and the rest (sampling, bookkeeping), and the first step's time (the batch's prefill); and
-the step's time outside the C kernels' calls (Python's and torch's share).
+the step's time outside the C kernels' calls (Python's and torch's share). A lone greedy row's head runs in the
+layers' C call (runner.forward's greedy_keep): there "layers" holds the head and "head" is 0.
 `--bench-prompts` takes the prompts `tokenmill bench` sends, one per row, in place of one repeated prompt. `--busy ON OFF` measures beside a process that spins ON ms then sleeps OFF ms (bench/busy.py), as
 the server's event loop or a client on the same cores takes a core for a while.
 """
