@@ -13,7 +13,7 @@ the caches, each torch call Python makes finds its code and data cold, so the fe
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -154,7 +154,7 @@ class LayerStack:
         first: dict[int, int] = {}  # a rope's first layer, which stands for it (layers of one kind share one rope)
         kinds = [(first.setdefault(id(r), i), window) for i, (r, window) in enumerate(zip(ropes, self._windows))]
         if kinds != self._kinds:
-            self._array = self._build(self._layers, x, kv_caches, kinds)
+            self._array = self._build(self._layers, kv_caches, kinds)
             self._kinds = kinds
         if self._array is None:
             return None
@@ -171,24 +171,37 @@ class LayerStack:
     def _build(
         self,
         layers: list[CLayer],
-        x: torch.Tensor,
         kv_caches: Sequence[KVCache],
         kinds: list[tuple[int, int | None]],
     ) -> ctypes.Array[ops.StackLayer] | None:
-        distinct = self._distinct = list(dict.fromkeys(kinds))
-        if len(distinct) > ops.STACK_KINDS:
+        built = stack_entries(layers, kv_caches, kinds)
+        if built is None:
             return None
-        kernels = {layer.c_kernel for layer in layers}
-        maybe = [layer.c_plan_for_step(x, kv) for layer, kv in zip(layers, kv_caches)]
-        plans = [plan for plan in maybe if plan is not None]
-        if len(kernels) != 1 or len(plans) != len(layers):
-            return None
-        self._gemma = kernels == {"gemma3_layer"}
-        array = (ops.StackLayer * len(layers))()
-        for entry, plan, (k_cache, v_cache), kind in zip(array, plans, kv_caches, kinds):
-            entry.plan, entry.kind = ctypes.addressof(plan), distinct.index(kind)
-            entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+        array, self._distinct, self._gemma = built
         return array
+
+
+def stack_entries(
+    layers: list[CLayer], kv_caches: Sequence[KVCache], kinds: Sequence[Hashable]
+) -> tuple[ctypes.Array[ops.StackLayer], list[Any], bool] | None:
+    """Each layer's entry of a decoder_stack call (its plan, its caches, the index of its kind among the distinct
+    kinds, in order of first use), the distinct kinds, and whether the layers are Gemma 3's; None where a layer cannot
+    run in C on bf16 activations and caches, the layers' kernels differ, or the kinds are more than STACK_KINDS."""
+    distinct = list(dict.fromkeys(kinds))
+    if len(distinct) > ops.STACK_KINDS or len({layer.c_kernel for layer in layers}) != 1:
+        return None
+    bf16 = [
+        layer.c_plan_for(torch.bfloat16) if kv[0].dtype == torch.bfloat16 else None
+        for layer, kv in zip(layers, kv_caches)
+    ]
+    plans = [plan for plan in bf16 if plan is not None]
+    if len(plans) != len(layers) or len(kv_caches) != len(layers):
+        return None
+    array = (ops.StackLayer * len(layers))()
+    for entry, plan, (k_cache, v_cache), kind in zip(array, plans, kv_caches, kinds):
+        entry.plan, entry.kind = ctypes.addressof(plan), distinct.index(kind)
+        entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+    return array, distinct, layers[0].c_kernel == "gemma3_layer"
 
 
 class StepPlan:
@@ -204,11 +217,9 @@ class StepPlan:
         rotaries: list[Any],
         windows: list[int | None],
         hidden: int,
-        keep: list[Any],
     ) -> None:
-        self.gemma, self.plan, self.layers, self.hidden = gemma, plan, layers, hidden
+        self.gemma, self.plan, self.layers, self.hidden = gemma, plan, layers, hidden  # (each layer keeps its plan)
         self.rotaries, self.windows = rotaries, windows  # per kind
-        self._keep = keep  # what the plan points into and the model does not otherwise hold: the plans
         self._tables: list[tuple[torch.Tensor, torch.Tensor]] = []  # the rotary tables the plan points into
 
     @classmethod
@@ -220,23 +231,10 @@ class StepPlan:
         weighted = not norm.offset
         if weighted and norm.weight.dtype != torch.bfloat16:  # RMSNorm's torch path: not the C norm
             return None
-        if any(kv[0].dtype != torch.bfloat16 for kv in kv_caches) or len(kv_caches) != len(layers):
+        built = stack_entries(layers, kv_caches, list(zip(model.layer_rotaries(), (layer.window for layer in layers))))
+        if built is None:
             return None
-        plans = [layer.c_plan_for(torch.bfloat16) for layer in layers]
-        if any(plan is None for plan in plans) or len({layer.c_kernel for layer in layers}) != 1:
-            return None
-        kinds = list(zip(model.layer_rotaries(), (layer.window for layer in layers)))
-        distinct: list[tuple[Any, int | None]] = []
-        for kind in kinds:
-            if not any(kind[0] is r and kind[1] == w for r, w in distinct):
-                distinct.append(kind)
-        if len(distinct) > ops.STACK_KINDS:
-            return None
-        array = (ops.StackLayer * len(layers))()
-        for entry, plan, (k_cache, v_cache), (rotary, window) in zip(array, plans, kv_caches, kinds):
-            entry.plan = ctypes.addressof(plan)
-            entry.kind = next(i for i, (r, w) in enumerate(distinct) if r is rotary and w == window)
-            entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+        array, distinct, gemma = built
         raw = embed.get_buffer("raw")
         forward = ops.ForwardPlan(
             embed=raw.data_ptr(),
@@ -247,11 +245,10 @@ class StepPlan:
             norm=norm.factor.data_ptr(),
             norm_weighted=int(weighted),
         )
-        gemma = layers[0].c_kernel == "gemma3_layer"
-        hidden = plans[0].hidden
+        hidden = layers[0].c_plan().hidden  # (stack_entries found every layer's plan)
         if embed.k != hidden:
             return None
-        return cls(gemma, forward, array, [r for r, _ in distinct], [w for _, w in distinct], hidden, plans)
+        return cls(gemma, forward, array, [r for r, _ in distinct], [w for _, w in distinct], hidden)
 
     def point_at_tables(self, furthest: int) -> None:
         """Every kind's rotary tables cover positions below `furthest` (a grown table is a new tensor, pointed at)."""
