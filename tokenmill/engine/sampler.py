@@ -224,9 +224,15 @@ def _greedy_by_head(logits: torch.Tensor, rows: Seq[SampleInput]) -> list[Sample
             row[token] = float(np.float32(row[token]) + np.float32(bias))
         for token in r.banned:
             row[token] = -math.inf
-        best = max(row.values())
-        results.append(Sampled(min(token for token, v in row.items() if v == best), None, []))
+        results.append(Sampled(_first_best(list(row), list(row.values())), None, []))
     return results
+
+
+def _first_best(ids: list[int], values: list[float]) -> int:
+    """The id of the largest value, the lowest id among equals: torch.argmax's choice over a whole row, where `ids`
+    hold every candidate for it."""
+    best = max(values)
+    return min(token for token, v in zip(ids, values) if v == best)
 
 
 def _read_floats(logits: torch.Tensor, at: list[int]) -> list[float]:
@@ -253,12 +259,10 @@ def _from_head_argmax(processed: torch.Tensor, rows: Seq[SampleInput], greedy: l
         return {}
     vocab = processed.shape[-1]
     at = [i * vocab + token for i, ids in candidates.items() for token in ids]
-    values = processed.view(-1)[torch.tensor(at, dtype=torch.long)].tolist()  # one gather for every row
+    values = _read_floats(processed, at)  # one read for every row
     chosen, k = {}, 0
     for i, ids in candidates.items():
-        row_values, k = values[k : k + len(ids)], k + len(ids)
-        best = max(row_values)
-        chosen[i] = min(token for token, v in zip(ids, row_values) if v == best)
+        chosen[i], k = _first_best(ids, values[k : k + len(ids)]), k + len(ids)
     return chosen
 
 

@@ -473,13 +473,17 @@ def gguf_greedy_row(
         ctypes.addressof(argmax),
         torch.get_num_threads(),
     )
-    if status == 1:
-        return None
+    return (out, argmax.value) if _greedy_answered("gguf_greedy_row", status, x.shape[1], keep) else None
+
+
+def _greedy_answered(name: str, status: int, k: int, keep: Sequence[int]) -> bool:
+    """gguf_greedy_row's status: 0 answered (True), 1 it cannot answer for this row (False: the full pass); an error
+    otherwise."""
     if status == -2:
-        raise MemoryError("gguf_greedy_row: no memory for its scratch")
-    if status:
-        raise ValueError(f"gguf_greedy_row: rows of {x.shape[1]} or keep {list(keep)[:8]} not taken")
-    return out, argmax.value
+        raise MemoryError(f"{name}: no memory for the greedy head's scratch")
+    if status not in (0, 1):
+        raise ValueError(f"{name}: the greedy head takes no rows of {k} with keep {list(keep)[:8]}")
+    return status == 0
 
 
 class GgufPart(ctypes.Structure):
@@ -708,13 +712,10 @@ def decoder_forward(
     )
     causes = "a token id or position outside its table, a plan whose shapes disagree, or a kernel not compiled in"
     _raise_for_layer_status("decoder_forward", status, t, causes)
-    if head is None or logits is None or head.status == 1:
+    if greedy is None or head is None or logits is None:
         return buffers[:t], None
-    if head.status == -2:
-        raise MemoryError("decoder_forward: no memory for the greedy head's scratch")
-    if head.status:
-        raise ValueError(f"decoder_forward: the greedy head takes no rows of {hidden}, or not this keep")
-    return buffers[:t], (logits, head.argmax)
+    answered = _greedy_answered("decoder_forward", head.status, hidden, greedy[3])
+    return buffers[:t], (logits, head.argmax) if answered else None
 
 
 def token_splits(codes: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:

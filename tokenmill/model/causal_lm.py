@@ -246,4 +246,6 @@ def empty_kv_caches(cfg: ModelConfig, num_slots: int, dtype: torch.dtype) -> lis
 def dense_metadata(num_tokens: int) -> AttentionMetadata:
     """One sequence whose whole prompt is the query, its KV in slots 0..T-1."""
     slots = torch.arange(num_tokens)
-    return AttentionMetadata(slots, query_lens=[num_tokens], context_lens=[num_tokens], slots=slots, starts=[0])
+    return AttentionMetadata(
+        slot_mapping=slots, query_lens=[num_tokens], context_lens=[num_tokens], slots=slots, starts=[0]
+    )

@@ -148,8 +148,9 @@ class GgufLinear(nn.Module):
         if self._greedy_rest:
             self._greedy_rest -= 1
             return None
-        name, _, n, _ = self._calls[0]
-        found = ops.gguf_greedy_row(_kernel_rows(x.reshape(-1, self.k)), self.high6, self.get_buffer(name), n, keep)
+        copy = self.greedy_parts()
+        assert copy is not None  # the copy is there and not resting
+        found = ops.gguf_greedy_row(_kernel_rows(x.reshape(-1, self.k)), *copy, keep)
         if found is None:
             self.greedy_missed()
         return found
