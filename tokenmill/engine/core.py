@@ -140,22 +140,25 @@ class EngineCore:
             if s.seq.is_finished:
                 continue  # its request failed earlier in this step
             try:
-                to_sample += self._advance(s, hidden[first:row], row - 1)
+                to_sample += self._advance(s, hidden, first)
             except Exception as exc:
                 log.exception("postprocessing %s failed", s.seq.request_id)
                 self.fail(s.seq.request_id, _describe(exc))
         if to_sample:
             self._sample(to_sample, hidden)
 
-    def _advance(self, s: Scheduled, hidden: torch.Tensor, last_row: int) -> list[tuple[int, Sequence]]:
-        """Account one scheduled chunk; returns the (row, sequence) pairs that sample a token now."""
-        seq, start = s.seq, s.seq.num_computed_tokens
+    def _advance(self, s: Scheduled, hidden: torch.Tensor, first: int) -> list[tuple[int, Sequence]]:
+        """Account one scheduled chunk, whose rows of the step's `hidden` begin at `first`; returns the (row, sequence)
+        pairs that sample a token now."""
+        seq, start, last_row = s.seq, s.seq.num_computed_tokens, first + s.num_tokens - 1
         if seq.wants_prompt_logprobs and start < seq.num_prompt_tokens:
-            self._add_prompt_logprobs(seq, hidden, start)
+            self._add_prompt_logprobs(seq, hidden[first : last_row + 1], start)
         seq.num_computed_tokens += s.num_tokens
         if seq.num_computed_tokens < seq.num_tokens:
             return []  # mid-prefill: more chunks to go
-        self.blocks.register_full_blocks(seq.token_ids, seq.block_table, seq.num_computed_tokens, seq.prefix)
+        seq.registered_blocks = self.blocks.register_full_blocks(
+            seq.token_ids, seq.block_table, seq.num_computed_tokens, seq.prefix, seq.registered_blocks
+        )
         if seq.params.max_tokens == 0:
             self._finish_without_output(seq)
             return []

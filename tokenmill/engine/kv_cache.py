@@ -136,16 +136,19 @@ class BlockManager:
         return shared + [dst], (blocks[full], dst)
 
     def register_full_blocks(
-        self, tokens: Seq[int], blocks: list[int], num_computed: int, hashes: PrefixHashes | None = None
-    ) -> None:
-        """Remember the hashes of the computed full blocks so later prompts can reuse them."""
+        self, tokens: Seq[int], blocks: list[int], num_computed: int, hashes: PrefixHashes | None = None, first: int = 0
+    ) -> int:
+        """Remember the hashes of the computed full blocks so later prompts can reuse them; returns how many blocks are
+        full. `first`: the blocks before it were registered by an earlier call (a decode step fills at most one)."""
         hashes = hashes or PrefixHashes()
-        for i in range(num_computed // self.block_size):
+        full = num_computed // self.block_size
+        for i in range(first, full):
             h = hashes.block(i, tokens, self.block_size)
             b = blocks[i]
             if b not in self.block_to_hash and h not in self.hash_to_block:
                 self.hash_to_block[h] = b
                 self.block_to_hash[b] = h
+        return full
 
     def free_blocks(self, blocks: list[int]) -> None:
         for b in reversed(blocks):  # tail blocks first, so prefix blocks stay cached the longest

@@ -233,7 +233,7 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free_blocks(seq.block_table)
         seq.block_table = []
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.registered_blocks = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

@@ -44,6 +44,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.prefix = PrefixHashes(params.cache_salt)  # its blocks' prefix-cache keys
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.registered_blocks = 0  # leading blocks of block_table offered to the prefix cache (register_full_blocks)
         self.num_cached_tokens = 0  # prompt tokens reused from the prefix cache at first admission
         self.generator = generator
         self.detok = detok
