@@ -4,6 +4,8 @@ python scripts/step_alternation.py --off forward-ids        # the step from its 
 python scripts/step_alternation.py --off quick-greedy       # greedy rows from a few values, or the whole pipeline
 python scripts/step_alternation.py --off read-by-address    # the few logits read in place, or by a torch gather
 python scripts/step_alternation.py --off head-in-call       # a lone greedy row's head in the layers' call, or its own
+python scripts/step_alternation.py --off kept-output        # the step's output in a buffer kept between steps, or new
+python scripts/step_alternation.py --off no-inference-mode  # the C step outside torch's inference mode, or inside
 python scripts/step_alternation.py --cold-probe             # what a few torch calls cost after a weights-sized sweep
 
 This machine's memory speed drifts by a third within minutes, so two runs compared one after the other measure the
@@ -29,8 +31,9 @@ import torch
 from tokenmill.config import Config
 from tokenmill.engine import sampler
 from tokenmill.engine.core import EngineCore
+from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.sampling import SamplingParams
-from tokenmill.model.c_layer import LayerStack
+from tokenmill.model.c_layer import LayerStack, StepPlan
 from tokenmill.server.load import load_engine
 
 
@@ -42,11 +45,18 @@ def no_step_in_c(self: LayerStack, *args: Any) -> None:
     return None
 
 
+def new_output(self: StepPlan, rows: int) -> tuple[torch.Tensor, int]:
+    x = torch.empty(rows, self.hidden, dtype=torch.bfloat16)
+    return x, x.data_ptr()
+
+
 SWITCHES: dict[str, tuple[Any, str, Callable[..., Any]]] = {  # path → (owner, attribute, its stand-in when off)
     "forward-ids": (LayerStack, "forward_ids", no_step_in_c),
     "quick-greedy": (sampler, "_greedy_by_head", lambda logits, rows: None),
     "read-by-address": (sampler, "_read_floats", torch_gather),
     "head-in-call": (EngineCore, "_lone_greedy_keep", lambda self, batch: None),
+    "kept-output": (StepPlan, "output", new_output),
+    "no-inference-mode": (ModelRunner, "forward", torch.inference_mode()(ModelRunner.forward)),
 }
 
 

@@ -90,20 +90,20 @@ def test_a_lone_greedy_row_decodes_the_same_from_the_heads_6_bit_copy(
     path = write_tiny_gguf(tmp_path / "q8.gguf", quantize=True)  # a Q8_0 head
     answered: list[str] = []  # a prompt's first token: the head's own call
     in_call: list[str] = []  # a decode row's: in the same C call as the layers
-    greedy_row, step = ops.gguf_greedy_row, ops.decoder_forward
+    greedy_row, answer = ops.gguf_greedy_row, ops.greedy_answer
 
     def watched(*args):  # type: ignore[no-untyped-def]
         found = greedy_row(*args)
         answered.append(name if found is not None else "")
         return found
 
-    def watched_step(*args):  # type: ignore[no-untyped-def]
-        hidden, found = step(*args)
+    def watched_answer(*args):  # type: ignore[no-untyped-def]
+        found = answer(*args)
         in_call.append(name if found is not None else "")
-        return hidden, found
+        return found
 
     monkeypatch.setattr(ops, "gguf_greedy_row", watched)
-    monkeypatch.setattr(ops, "decoder_forward", watched_step)
+    monkeypatch.setattr(ops, "greedy_answer", watched_answer)
     tokens: dict[bool, dict[str, list[int]]] = {}
     for copy in (True, False):
         config = Config(model=str(path), cache_dir=str(tmp_path / "cache"), greedy_head=copy)
@@ -136,11 +136,11 @@ def test_a_decode_row_whose_copy_cannot_answer_takes_the_full_pass_and_rests_the
     asked: list[bool] = []
     step = ops.decoder_forward
 
-    def missing(*args):  # type: ignore[no-untyped-def]
-        asked.append(len(args) > 8 and args[8] is not None)
-        hidden, _ = step(*args)
-        return hidden, None  # as gguf_greedy_row's status 1
+    def watched(*args):  # type: ignore[no-untyped-def]
+        asked.append(len(args) > 10 and args[10] is not None)
+        return step(*args)
 
-    monkeypatch.setattr(ops, "decoder_forward", missing)
+    monkeypatch.setattr(ops, "decoder_forward", watched)
+    monkeypatch.setattr(ops, "greedy_answer", lambda *args: None)  # as gguf_greedy_row's status 1
     assert tokens(load_engine_core(config).core) == expected
     assert asked[:2] == [False, True] and not any(asked[2:]), "".join(str(int(a)) for a in asked)

@@ -22,13 +22,14 @@ def scheduled(context: int, new: int, first_block: int) -> SimpleNamespace:
 def test_each_position_gets_the_slot_its_block_table_gives_it() -> None:
     runner = ModelRunner.__new__(ModelRunner)  # prepare needs the block size alone
     runner.block_size, runner._block_slots = 4, torch.arange(100 * 4).view(100, 4)
+    runner._slots_of = ([], torch.empty(0, dtype=torch.int64))
     batch = [scheduled(9, 1, 0), scheduled(6, 6, 20), scheduled(4, 1, 40), scheduled(13, 5, 60)]  # decodes, prefills
     ids, pos, meta = runner.prepare(batch)  # type: ignore[arg-type]
     expected_pos = [
         p for s in batch for p in range(s.seq.num_computed_tokens, s.seq.num_computed_tokens + s.num_tokens)
     ]
-    assert pos.tolist() == expected_pos
-    assert ids.tolist() == [100 + p for p in expected_pos]
+    assert pos == expected_pos
+    assert ids == [100 + p for p in expected_pos]
     for s, slots, context in zip(batch, meta.kv_slots, meta.context_lens):
         table = s.seq.block_table
         assert context == s.seq.num_computed_tokens + s.num_tokens

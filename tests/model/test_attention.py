@@ -132,7 +132,7 @@ def test_c_kernel_matches_float64_softmax_with_grouped_heads_at_the_real_head_si
     v_cache = torch.randn(2048, hkv, d, generator=gen).to(torch.bfloat16)
     slots = torch.randperm(2048, generator=gen)[:300]
     q = (torch.randn(300, hq, d, generator=gen) * 0.2).to(torch.bfloat16)
-    meta = AttentionMetadata(slots, query_lens=[300], context_lens=[300], slots=slots, starts=[0])
+    meta = AttentionMetadata(slots.tolist(), query_lens=[300], context_lens=[300], slots=slots, starts=[0])
     scale = d**-0.5
     got = paged_attention(q, k_cache[slots], v_cache[slots], (k_cache, v_cache), meta, scale, window, softcap)
     keys, values = k_cache[slots].double(), v_cache[slots].double()  # (L, Hkv, D)

@@ -22,22 +22,18 @@ class ModelRunner:
         self.kv_caches = allocate_kv_tensors(cfg, num_blocks, block_size, self.dtype)
         self.head: tuple[torch.Tensor, HeadSummary | None] | None = None  # see forward
         self._block_slots = torch.arange(num_blocks * block_size).view(num_blocks, block_size)  # block → its slots
+        self._slots_of: tuple[list[int], torch.Tensor] = ([], torch.empty(0, dtype=torch.int64))  # the last lookup
 
-    @torch.inference_mode()
     def forward(self, batch: Seq[Scheduled], greedy_keep: list[int] | None = None) -> torch.Tensor:
         """Runs the step's tokens through the model; returns final hidden states (T, hidden), batch order.
 
         `greedy_keep`: the step's last row will be sampled alone and greedily, reading only its argmax and these
         ids' logits (sample_step.greedy_keep). Its head may then run in the same call as the layers: its logits and
-        summary are left in `head` (else None), as logits_summarised(that row, greedy_keep) would give them."""
+        summary are left in `head` (else None), as logits_summarised(that row, greedy_keep) would give them. Both
+        hold until the next forward (CausalLM.forward_step, which enters torch's inference mode where it needs it)."""
         input_ids, positions, meta = self.prepare(batch)
-        self.head = None
-        if greedy_keep is not None:
-            found = self.model.forward_greedy(input_ids, positions, self.kv_caches, meta, greedy_keep)
-            if found is not None:
-                hidden, self.head = found
-                return hidden
-        return self.model(input_ids, positions, self.kv_caches, meta)
+        hidden, self.head = self.model.forward_step(input_ids, positions, self.kv_caches, meta, greedy_keep)
+        return hidden
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -52,7 +48,10 @@ class ModelRunner:
         a lone greedy row's, as CausalLM.compute_logits_summarised takes it."""
         return self.model.compute_logits_summarised(hidden, keep)
 
-    def prepare(self, batch: Seq[Scheduled]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def prepare(self, batch: Seq[Scheduled]) -> tuple[list[int], list[int], AttentionMetadata]:
+        """The step's token ids, their positions and the attention's metadata. Plain lists where they can be, and
+        one tensor, every context slot, which a lone sequence's decode steps reuse until its blocks change: after a
+        step has streamed the weights through the caches, each torch call here would find its code cold."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -70,15 +69,16 @@ class ModelRunner:
             context_lens.append(end)
             starts.append(len(blocks) * bs)
             blocks.extend(table[: -(-end // bs)])
-        # every sequence's cache slots, block by block, in one lookup (a decode step has a dozen sequences or more)
+        if blocks != self._slots_of[0]:  # every sequence's cache slots, block by block, in one lookup
+            self._slots_of = (blocks, self._block_slots[blocks].view(-1))
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(new_slots),
+            new_slots=new_slots,
             query_lens=[s.num_tokens for s in batch],
             context_lens=context_lens,
-            slots=self._block_slots[blocks].view(-1),
+            slots=self._slots_of[1],
             starts=starts,
         )
-        return torch.tensor(ids), torch.tensor(pos), meta
+        return ids, pos, meta
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one block's K/V in every layer (a forked sequence's private copy of a shared partial block)."""

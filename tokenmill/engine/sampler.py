@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import struct
 from collections.abc import Collection, Iterator
 from collections.abc import Sequence as Seq
 from contextlib import contextmanager
@@ -67,16 +68,20 @@ def c_kernels() -> tuple[str, ...]:
     return ("argmax",) if argmax_available() else ()
 
 
-@torch.inference_mode()  # the logits are inference tensors, adjusted in place
 def sample(logits: torch.Tensor, rows: Seq[SampleInput]) -> list[Sampled]:
     """logits: (N, V) float32 raw model logits, one row per entry of `rows`.
 
     The log-normaliser (a pass over the whole vocabulary) is computed only for rows whose chosen-token logprob is
     used: logprobs were asked for, or several choices will be ranked.
     """
-    quick = _greedy_by_head(logits, rows)
+    quick = _greedy_by_head(logits, rows)  # reads a few values in place: no torch call, whose code would be cold
     if quick is not None:
         return quick
+    with torch.inference_mode():  # the logits may be inference tensors, adjusted in place
+        return _sample(logits, rows)
+
+
+def _sample(logits: torch.Tensor, rows: Seq[SampleInput]) -> list[Sampled]:
     scored = [i for i, r in enumerate(rows) if r.params.logprobs is not None or r.params.n > 1]
     # one row at a time: over a few rows torch splits each row's sum between threads, over many it does not, so a
     # batched logsumexp would give a row different bits alone and under load
@@ -221,11 +226,20 @@ def _greedy_by_head(logits: torch.Tensor, rows: Seq[SampleInput]) -> list[Sample
         if not math.isfinite(row[ids[0]]):
             return None  # the pipeline says what is wrong with the row
         for token, bias in r.params.logit_bias.items():
-            row[token] = float(np.float32(row[token]) + np.float32(bias))
+            row[token] = _float32(row[token] + _float32(bias))  # float32's sum: see _float32
         for token in r.banned:
             row[token] = -math.inf
         results.append(Sampled(_first_best(list(row), list(row.values())), None, []))
     return results
+
+
+def _float32(x: float) -> float:
+    """x rounded to float32, as a Python float. The sum of two float32 values rounded once to a double and then to
+    float32 equals float32's own sum (a double's 53 bits are more than 2 × 24 + 2), so the quick path needs no numpy."""
+    return _F32.unpack(_F32.pack(x))[0]
+
+
+_F32 = struct.Struct("<f")
 
 
 def _first_best(ids: list[int], values: list[float]) -> int:
@@ -239,10 +253,10 @@ def _read_floats(logits: torch.Tensor, at: list[int]) -> list[float]:
     """The float32 logits at flat indices `at`. A contiguous CPU tensor's are read in place, through ctypes: this runs
     right after the LM head has streamed its weights through the caches, where an indexing call into torch finds its
     code cold and costs more than the read."""
-    if logits.dtype != torch.float32 or logits.device.type != "cpu" or not logits.is_contiguous():
+    if logits.dtype != torch.float32 or not logits.is_cpu or not logits.is_contiguous():
         return logits.reshape(-1)[torch.tensor(at, dtype=torch.long)].tolist()
-    flat = (ctypes.c_float * logits.numel()).from_address(logits.data_ptr())
-    return [flat[i] for i in at]
+    base = logits.data_ptr()
+    return [ctypes.c_float.from_address(base + 4 * i).value for i in at]
 
 
 def _from_head_argmax(processed: torch.Tensor, rows: Seq[SampleInput], greedy: list[int]) -> dict[int, int]:

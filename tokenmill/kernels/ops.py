@@ -672,50 +672,69 @@ def decoder_forward(
     plan: ForwardPlan,
     layers: ctypes.Array[StackLayer],
     kinds: StackKinds,
-    ids: torch.Tensor,
-    positions: torch.Tensor,
+    ids: Sequence[int],
+    positions: Sequence[int],
     hidden: int,
-    slot_mapping: torch.Tensor,
-    greedy: tuple[torch.Tensor, torch.Tensor, int, Sequence[int]] | None = None,
-) -> tuple[torch.Tensor, tuple[torch.Tensor, int] | None]:
-    """A step from token ids (T,) int64 to the final norm's output (T, hidden) bf16, a new tensor, in one C call: the
+    slot_mapping: Sequence[int],
+    scratch: int,
+    out: tuple[torch.Tensor, int] | None = None,
+    greedy: GreedyHead | None = None,
+) -> torch.Tensor:
+    """A step from T token ids to the final norm's output (T, hidden) bf16, a new tensor, in one C call: the
     embedding's rows, the rotary rows of `positions`, every layer of `layers` as decoder_stack runs them (`kinds`: the
-    key lists; its cos and sin are picked here), the final norm. The tensors `plan`, `layers` and `kinds` point into
-    must outlive the call.
+    key lists; its cos and sin are picked here; `slot_mapping`: each new row's cache slot), the final norm. What
+    `plan`, `layers` and `kinds` point into must outlive the call. `scratch`: the address of room for 2 T rows of bf16,
+    overwritten. `out`: a (T, hidden) bf16 output and its address, else a new tensor. The ids, positions and slots
+    travel as ctypes arrays, not tensors: a torch call finds its code cold after a step's weights went through the
+    caches, so the caller may keep its buffers from step to step.
 
-    `greedy`: (6-bit copy, regrouped head, N, keep) to run gguf_greedy_row on the last row in the same call, whose
-    (logits, argmax) come second, or None where that pass could not answer (the caller takes the full pass)."""
-    t = ids.shape[0]
-    buffers = torch.empty(3 * t, hidden, dtype=torch.bfloat16)  # the embedded rows (then the output), and two spares
-    at, size = buffers.data_ptr(), t * hidden * 2
-    head, logits, keep = None, None, None
-    if greedy is not None:
-        high6, packed, n, kept = greedy
-        logits = torch.empty(1, n, dtype=torch.float32)
-        keep = (ctypes.c_int64 * len(kept))(*kept)
-        head = GreedyHead(high6.data_ptr(), packed.data_ptr(), n, ctypes.addressof(keep), len(kept), logits.data_ptr())
+    `greedy`: gguf_greedy_row's arguments (greedy_head) to run it on the last row in the same call; read its answer
+    with greedy_answer."""
+    t = len(ids)
+    if len(positions) != t or len(slot_mapping) != t:
+        raise ValueError(f"decoder_forward: {t} ids, {len(positions)} positions and {len(slot_mapping)} slots")
+    rows = [(ctypes.c_int64 * t)(*values) for values in (ids, positions, slot_mapping)]
+    x, x_at = out if out is not None else _new_rows(t, hidden)  # the embedded rows, then the output
     status = _lib().decoder_forward(
         int(gemma),
         ctypes.addressof(plan),
         ctypes.addressof(layers),
         len(layers),
         ctypes.addressof(kinds),
-        ids.data_ptr(),
-        positions.data_ptr(),
-        at,
-        at + size,
-        at + 2 * size,
+        ctypes.addressof(rows[0]),
+        ctypes.addressof(rows[1]),
+        x_at,
+        scratch,
+        scratch + t * hidden * 2,
         t,
-        slot_mapping.data_ptr(),
-        ctypes.addressof(head) if head is not None else None,
+        ctypes.addressof(rows[2]),
+        ctypes.addressof(greedy) if greedy is not None else None,
         torch.get_num_threads(),
     )
     causes = "a token id or position outside its table, a plan whose shapes disagree, or a kernel not compiled in"
     _raise_for_layer_status("decoder_forward", status, t, causes)
-    if greedy is None or head is None or logits is None:
-        return buffers[:t], None
-    answered = _greedy_answered("decoder_forward", head.status, hidden, greedy[3])
-    return buffers[:t], (logits, head.argmax) if answered else None
+    return x
+
+
+def _new_rows(t: int, hidden: int) -> tuple[torch.Tensor, int]:
+    x = torch.empty(t, hidden, dtype=torch.bfloat16)
+    return x, x.data_ptr()
+
+
+def greedy_head(high6: int, packed: int, logits: int, n: int, keep: Sequence[int]) -> GreedyHead:
+    """decoder_forward's `greedy`: a lone greedy row's head over the 6-bit copy at `high6` and the regrouped head at
+    `packed` of width n (GgufLinear.greedy_parts), writing its (1, n) float32 logits at address `logits`, reading the
+    values of the ids `keep` besides its argmax. The struct holds its keep list."""
+    kept = (ctypes.c_int64 * len(keep))(*keep)
+    head = GreedyHead(high6, packed, n, ctypes.addressof(kept), len(kept), logits)
+    head.kept_ids = kept  # alive as long as the struct
+    return head
+
+
+def greedy_answer(head: GreedyHead, hidden: int, keep: Sequence[int]) -> int | None:
+    """The argmax of a greedy_head that decoder_forward ran, or None where that pass could not answer for the row
+    (the caller takes the full pass); an error otherwise."""
+    return head.argmax if _greedy_answered("decoder_forward", head.status, hidden, keep) else None
 
 
 def token_splits(codes: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:

@@ -63,11 +63,12 @@ class AttentionMetadata:
     and shared by all layers of that kind.
     """
 
-    slot_mapping: torch.Tensor  # (T,) cache slot each new token's K/V is written to
+    new_slots: list[int]  # (T,) the cache slot each new token's K/V is written to
     query_lens: list[int]
     context_lens: list[int]
     slots: torch.Tensor  # every sequence's context slots, sequence after sequence
     starts: list[int]  # where each sequence's begin in `slots`
+    _slot_mapping: torch.Tensor | None = field(default=None, repr=False)
     _plans: dict[int | None, list[RowBatch]] = field(default_factory=dict, repr=False)
     _key_lists: dict[int | None, KeyLists] = field(default_factory=dict, repr=False)
 
@@ -80,7 +81,14 @@ class AttentionMetadata:
         for ctx_len in context_lens[:-1]:
             starts.append(starts[-1] + ctx_len)
         slots = kv_slots[0] if len(kv_slots) == 1 else torch.cat(kv_slots)
-        return cls(slot_mapping, query_lens, context_lens, slots, starts)
+        return cls(slot_mapping.tolist(), query_lens, context_lens, slots, starts)
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        """`new_slots` as a (T,) int64 tensor, made on first use (the one-call step reads the list)."""
+        if self._slot_mapping is None:
+            self._slot_mapping = torch.tensor(self.new_slots, dtype=torch.int64)
+        return self._slot_mapping
 
     @property
     def kv_slots(self) -> list[torch.Tensor]:

@@ -101,17 +101,20 @@ class LayerStack:
     def forward_ids(
         self,
         model: Any,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
+        input_ids: Sequence[int],
+        positions: Sequence[int],
         kv_caches: Sequence[KVCache],
         meta: AttentionMetadata,
         greedy: tuple[torch.Tensor, torch.Tensor, int, list[int]] | None = None,
+        reuse: bool = False,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, int] | None] | None:
         """The final norm's output for the step's token ids in one C call (ops.decoder_forward): the embedding, the
         rotary rows, the layers and the final norm, the same kernels in the same order as the modules' path, so the
         same bits. None where the model cannot run so (its embedding is no GGUF table, a layer is no C layer, ...):
         the caller embeds and calls `forward`. Built once for a set of caches, as `forward`'s array. `greedy`: the
-        last row's greedy head in the same call (ops.decoder_forward), whose answer comes second."""
+        last row's greedy head in the same call (ops.decoder_forward), whose (logits, argmax) come second: the logits
+        are the plan's, overwritten by the next such call. `reuse`: the output is the plan's too (an engine step's,
+        read before the next), so that a decode step makes no torch call at all."""
         if not self.enabled:
             return None
         if kv_caches is not self._whole_caches:
@@ -122,15 +125,34 @@ class LayerStack:
         whole.point_at_tables(max(meta.context_lens))
         step = ops.StackKinds()
         keep = []  # the arrays `step` points into, alive through the call
+        slots = whole.slots_address(meta.slots)
         for k, window in enumerate(whole.windows):
             # plain ctypes arrays, not tensors: each torch call here would find its code cold after the last step
             offset, count = ((ctypes.c_int64 * len(b))(*b) for b in key_list_bounds(meta, window))
             keep += [offset, count]
-            step.slots[k] = meta.slots.data_ptr()
+            step.slots[k] = slots
             step.offset[k], step.count[k] = ctypes.addressof(offset), ctypes.addressof(count)
-        return ops.decoder_forward(
-            whole.gemma, whole.plan, whole.layers, step, input_ids, positions, whole.hidden, meta.slot_mapping, greedy
+        t, head = len(input_ids), None
+        if greedy is not None:
+            head = whole.greedy_head(*greedy)
+        out = whole.output(t) if reuse else None
+        hidden = ops.decoder_forward(
+            whole.gemma,
+            whole.plan,
+            whole.layers,
+            step,
+            input_ids,
+            positions,
+            whole.hidden,
+            meta.new_slots,
+            whole.scratch(t),
+            out,
+            head,
         )
+        if greedy is None or head is None:
+            return hidden, None
+        argmax = ops.greedy_answer(head, whole.hidden, greedy[3])
+        return hidden, (whole.logits, argmax) if argmax is not None else None
 
     def forward(
         self,
@@ -221,6 +243,12 @@ class StepPlan:
         self.gemma, self.plan, self.layers, self.hidden = gemma, plan, layers, hidden  # (each layer keeps its plan)
         self.rotaries, self.windows = rotaries, windows  # per kind
         self._tables: list[tuple[torch.Tensor, torch.Tensor]] = []  # the rotary tables the plan points into
+        self._scratch, self._scratch_rows, self._scratch_at = torch.empty(0), 0, 0
+        self._output, self._output_rows = torch.empty(0), 0
+        self._view: tuple[torch.Tensor, int] | None = None
+        self._slots: tuple[torch.Tensor | None, int] = (None, 0)
+        self._head: tuple[torch.Tensor | None, torch.Tensor | None, int, int, int] = (None, None, 0, 0, 0)
+        self.logits = torch.empty(1, 0)  # a lone greedy row's logits, as its head wrote them
 
     @classmethod
     def build(cls, model: Any, kv_caches: Sequence[KVCache]) -> StepPlan | None:
@@ -249,6 +277,43 @@ class StepPlan:
         if embed.k != hidden:
             return None
         return cls(gemma, forward, array, [r for r, _ in distinct], [w for _, w in distinct], hidden)
+
+    # What the plan keeps from call to call, and the addresses it read once: after a step has streamed the weights
+    # through the caches, each torch call (an allocation, a view, even a data_ptr) finds its code cold.
+
+    def scratch(self, rows: int) -> int:
+        """The address of room for the call's two spare buffers of `rows` rows each."""
+        if self._scratch_rows < rows:
+            self._scratch_rows = max(rows, 2 * self._scratch_rows)  # grown to twice what it held, at least
+            self._scratch = torch.empty(2 * self._scratch_rows, self.hidden, dtype=torch.bfloat16)
+            self._scratch_at = self._scratch.data_ptr()
+        return self._scratch_at
+
+    def output(self, rows: int) -> tuple[torch.Tensor, int]:
+        """A (rows, hidden) bf16 output and its address, overwritten by the next call that takes it: the same view
+        while `rows` does not change (a decode step's one row)."""
+        if self._output_rows < rows:
+            self._output_rows = max(rows, 2 * self._output_rows)
+            self._output = torch.empty(self._output_rows, self.hidden, dtype=torch.bfloat16)
+            self._view = None
+        if self._view is None or self._view[0].shape[0] != rows:
+            self._view = (self._output[:rows], self._output.data_ptr())
+        return self._view
+
+    def slots_address(self, slots: torch.Tensor) -> int:
+        """slots.data_ptr(), read again only for another tensor (the runner keeps one while the blocks stay)."""
+        if slots is not self._slots[0]:
+            self._slots = (slots, slots.data_ptr())
+        return self._slots[1]
+
+    def greedy_head(self, high6: torch.Tensor, packed: torch.Tensor, n: int, keep: list[int]) -> ops.GreedyHead:
+        """ops.greedy_head over the head's 6-bit copy and regrouped rows (GgufLinear.greedy_parts), of width n,
+        writing into `logits`."""
+        if high6 is not self._head[0] or packed is not self._head[1] or self.logits.shape[1] != n:
+            self.logits = torch.empty(1, n, dtype=torch.float32)
+            self._head = (high6, packed, high6.data_ptr(), packed.data_ptr(), self.logits.data_ptr())
+        _, _, high6_at, packed_at, logits_at = self._head
+        return ops.greedy_head(high6_at, packed_at, logits_at, n, keep)
 
     def point_at_tables(self, furthest: int) -> None:
         """Every kind's rotary tables cover positions below `furthest` (a grown table is a new tensor, pointed at)."""

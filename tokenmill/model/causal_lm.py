@@ -101,9 +101,47 @@ class CausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
     ) -> torch.Tensor:
         """input_ids, positions: (T,) → final hidden states (T, hidden)."""
-        in_c = self.layer_stack.forward_ids(self, input_ids, positions, kv_caches, meta)
+        in_c = self.layer_stack.forward_ids(self, input_ids.tolist(), positions.tolist(), kv_caches, meta)
         if in_c is not None:
             return in_c[0]
+        return self._forward_modules(input_ids, positions, kv_caches, meta)
+
+    def forward_step(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+        keep: list[int] | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, HeadSummary | None] | None]:
+        """forward from plain lists, and where `keep` is given the last row's logits as compute_logits_summarised(last
+        row, keep) gives them, if its head ran in the same C call as the layers (a Q8_0 head's 6-bit copy: no Python
+        between the two passes over the weights); else None second (the caller takes the head).
+
+        For an engine step: the one-call step takes the lists as they are, writes into buffers it keeps (both results
+        are overwritten by the next call) and runs outside torch's inference mode (its outputs are buffers no graph
+        records); the other paths enter that mode themselves. After a step has streamed the weights through the
+        caches, each torch call, even entering a mode, finds its code cold."""
+        copy = self._greedy_copy() if keep is not None else None
+        if copy is not None and keep is not None:
+            found = self.layer_stack.forward_ids(self, input_ids, positions, kv_caches, meta, (*copy, keep), True)
+            if found is not None:
+                hidden, answer = found
+                if answer is None:  # the copy could not answer: the full pass, as greedy_row's caller takes it
+                    self._head_copy_missed()
+                    with torch.inference_mode():
+                        return hidden, self.compute_logits_summarised(hidden[-1:])
+                logits, argmax = answer
+                return hidden, (logits, HeadSummary([argmax], [True]))
+        in_c = self.layer_stack.forward_ids(self, input_ids, positions, kv_caches, meta, reuse=True)
+        if in_c is not None:
+            return in_c[0], None
+        with torch.inference_mode():
+            return self._forward_modules(torch.tensor(input_ids), torch.tensor(positions), kv_caches, meta), None
+
+    def _forward_modules(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
+    ) -> torch.Tensor:
         x = self.embed(input_ids)  # (T, H)
         ropes = self.layer_ropes(positions, x.dtype)
         stacked = self.layer_stack.forward(self.model.layers, x, ropes, kv_caches, meta)
@@ -113,32 +151,17 @@ class CausalLM(nn.Module):
             x = layer(x, rope, kv_cache, meta)
         return self.model.norm(x)
 
-    def forward_greedy(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[KVCache],
-        meta: AttentionMetadata,
-        keep: list[int],
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, HeadSummary | None]] | None:
-        """forward, and the last row's logits as compute_logits_summarised(last row, keep) gives them, with the head's
-        pass in the same C call as the layers where a Q8_0 head's 6-bit copy can answer (no Python between the two
-        passes over the weights); None where the step does not run so (the caller takes forward, then the head)."""
+    def _greedy_copy(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """The head's 6-bit copy and regrouped rows (GgufLinear.greedy_parts), where a lone greedy row's head can
+        run in the layers' call; else None."""
         head = self.lm_head
         if not isinstance(head, GgufLinear) or self.config.final_logit_softcapping:
             return None
-        copy = head.greedy_parts()
-        if copy is None:
-            return None
-        found = self.layer_stack.forward_ids(self, input_ids, positions, kv_caches, meta, (*copy, keep))
-        if found is None:
-            return None
-        hidden, answer = found
-        if answer is None:  # the copy could not answer: the full pass, as greedy_row's caller takes it
-            head.greedy_missed()
-            return hidden, self.compute_logits_summarised(hidden[-1:])
-        logits, argmax = answer
-        return hidden, (logits, HeadSummary([argmax], [True]))
+        return head.greedy_parts()
+
+    def _head_copy_missed(self) -> None:
+        assert isinstance(self.lm_head, GgufLinear)
+        self.lm_head.greedy_missed()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (N, H) → float32 logits (N, V) (Gemma 2's soft-capped: cap * tanh(logits / cap))."""
@@ -247,5 +270,5 @@ def dense_metadata(num_tokens: int) -> AttentionMetadata:
     """One sequence whose whole prompt is the query, its KV in slots 0..T-1."""
     slots = torch.arange(num_tokens)
     return AttentionMetadata(
-        slot_mapping=slots, query_lens=[num_tokens], context_lens=[num_tokens], slots=slots, starts=[0]
+        new_slots=slots.tolist(), query_lens=[num_tokens], context_lens=[num_tokens], slots=slots, starts=[0]
     )
