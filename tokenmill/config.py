@@ -21,6 +21,7 @@ LOOPBACK_ORIGINS = ("http://localhost:*", "http://127.0.0.1:*", "http://[::1]:*"
 DTYPES = ("float32", "bfloat16")
 QUANTIZATIONS = ("none", "gguf", "int8", "int4")
 LOG_FORMATS = ("text", "json")
+SPECULATIVE_METHODS = ("off", "ngram")  # engine/speculation.py
 RATE_PERIODS_S = {"s": 1.0, "min": 60.0, "h": 3600.0}  # the units a rate limit may be given in: N/s, N/min, N/h
 RATE_LIMITS = ("rate_limit_requests", "rate_limit_tokens", "rate_limit_user_requests", "rate_limit_user_tokens")
 ENV_HELP = (
@@ -84,6 +85,13 @@ class Config:
         " instead of on the first structured-output request, which holds the interpreter, and so every request,"
         " while it is built",
     )
+    speculative: str = _opt(
+        "off",
+        "draftless speculative decoding: ngram guesses a greedy stream's next tokens from text it has seen (prompt"
+        " lookup) and the model checks them in the step that computes its next token (the same tokens, more a step)",
+        choices=SPECULATIVE_METHODS,
+    )
+    num_speculative_tokens: int = _opt(4, "most guessed tokens a stream's step checks (--speculative)")
     greedy_head: bool = _opt(
         True,
         "a GGUF model's Q8_0 LM head also kept with 6-bit codes (3/4 of its bytes more memory): a lone greedy"
@@ -179,6 +187,8 @@ class Config:
             raise ConfigError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.weight_quantization != "none" and self.dtype != "bfloat16":
             raise ConfigError("weight-only quantisation runs with bfloat16 activations: add --dtype bfloat16")
+        if self.num_speculative_tokens < 1:
+            raise ConfigError("num_speculative_tokens must be at least 1")
         if min(self.block_size, self.max_num_seqs, self.max_num_batched_tokens, self.max_num_prefills) <= 0:
             raise ConfigError("block_size, max_num_seqs, max_num_batched_tokens and max_num_prefills must be positive")
         sizes = (self.max_request_bytes, self.max_header_bytes, self.max_response_bytes)

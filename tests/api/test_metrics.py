@@ -127,6 +127,28 @@ def test_each_model_has_its_own_series() -> None:
     )
 
 
+def test_speculation_counters_are_the_engines() -> None:
+    engine = AsyncEngine(tiny_core(speculative="ngram"), TINY_MODEL, "fp_tiny")
+    prompt = "abc abc abc abc abc abc abc abc"
+    with TestClient(create_app([engine], Config())) as client:
+        usage_of(client, {"prompt": prompt, "max_tokens": 30, "temperature": 0, "logit_bias": NO_EOS})
+        stats = client.get("/stats").json()
+        samples = scrape(client)
+    m = {"model": TINY_MODEL}
+    assert value(samples, "tokenmill_spec_decode_num_drafts_total", **m) == stats["spec_drafts"] > 0
+    assert value(samples, "tokenmill_spec_decode_num_draft_tokens_total", **m) == stats["spec_draft_tokens"]
+    assert value(samples, "tokenmill_spec_decode_num_accepted_tokens_total", **m) == stats["spec_accepted_tokens"]
+    per_position = stats["spec_accepted_per_position"]
+    assert (
+        per_position
+        and [
+            value(samples, "tokenmill_spec_decode_num_accepted_tokens_per_pos_total", position=str(i), **m)
+            for i in range(len(per_position))
+        ]
+        == per_position
+    )
+
+
 @pytest.mark.parametrize(
     ("config", "probe", "reason", "other"),
     [

@@ -185,6 +185,12 @@ class EngineStatsCollector:
         ("tokenmill_waiting_sequences", "Sequences waiting to be scheduled", "num_waiting"),
         ("tokenmill_kv_blocks_used", "KV-cache blocks in use", "num_used_blocks"),
     )
+    # speculative decoding, by vLLM's names (engine/speculation.py)
+    SPEC_COUNTERS = (
+        ("tokenmill_spec_decode_num_drafts", "Drafts checked", "spec_drafts"),
+        ("tokenmill_spec_decode_num_draft_tokens", "Draft tokens checked", "spec_draft_tokens"),
+        ("tokenmill_spec_decode_num_accepted_tokens", "Draft tokens kept", "spec_accepted_tokens"),
+    )
 
     def __init__(self, engines: Mapping[str, Engine]) -> None:
         self.engines = engines
@@ -203,9 +209,12 @@ class EngineStatsCollector:
             used, free = stats.get("num_used_blocks"), stats.get("num_free_blocks")
             values.append(None if used is None or free is None else used + free)
             values.append(stats.get("num_preemptions"))
+            values += [stats.get(field) for _, _, field in self.SPEC_COUNTERS]
             for family, value in zip(families, values):
                 if value is not None:
                     family.add_metric([model], value)
+            for position, accepted in enumerate(stats.get("spec_accepted_per_position") or ()):
+                families[-1].add_metric([model, str(position)], accepted)
         return families
 
     def _families(self) -> list[GaugeMetricFamily | CounterMetricFamily]:
@@ -215,6 +224,14 @@ class EngineStatsCollector:
         families.append(GaugeMetricFamily("tokenmill_kv_blocks_total", "KV-cache blocks in all", labels=["model"]))
         families.append(
             CounterMetricFamily("tokenmill_preemptions", "Sequences preempted for KV room", labels=["model"])
+        )
+        families += [CounterMetricFamily(name, doc, labels=["model"]) for name, doc, _ in self.SPEC_COUNTERS]
+        families.append(
+            CounterMetricFamily(
+                "tokenmill_spec_decode_num_accepted_tokens_per_pos",
+                "Draft tokens kept, by their position in the draft",
+                labels=["model", "position"],
+            )
         )
         return families
 

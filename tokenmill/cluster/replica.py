@@ -125,6 +125,14 @@ def summed(stats: list[EngineStats]) -> EngineStats:
     for one in stats:
         for f in dataclasses.fields(EngineStats):
             mine, theirs = getattr(total, f.name), getattr(one, f.name)
+            if isinstance(mine, list):  # counts per position: added position by position
+                setattr(total, f.name, _added(mine, theirs))
+                continue
             combine = max if f.name in ("max_seqs_in_step", "weight_bytes_per_token") else int.__add__
             setattr(total, f.name, combine(mine, theirs))
     return total
+
+
+def _added(a: list[int], b: list[int]) -> list[int]:
+    longer, shorter = (a, b) if len(a) >= len(b) else (b, a)
+    return [x + (shorter[i] if i < len(shorter) else 0) for i, x in enumerate(longer)]

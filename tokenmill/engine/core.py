@@ -11,7 +11,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +26,8 @@ from tokenmill.engine.sampler import Sampled, SampleInput
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.engine.scheduler import Scheduled, Scheduler
 from tokenmill.engine.sequence import Sequence
+from tokenmill.engine.speculation import DraftState, SpeculativeConfig, propose
+from tokenmill.model.causal_lm import HeadSummary
 from tokenmill.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,11 @@ class EngineStats:
     num_free_blocks: int = 0
     num_preemptions: int = 0
     weight_bytes_per_token: int = 0  # what one decode step reads of the model's weights (not a counter)
+    # speculation (speculation.py), as vLLM counts it: drafts made, their tokens, those kept, kept per position
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
 
 
 class EngineCore:
@@ -54,6 +61,7 @@ class EngineCore:
         scheduler: Scheduler,
         eos_ids: set[int],
         max_model_len: int,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
@@ -61,6 +69,8 @@ class EngineCore:
         self.scheduler = scheduler
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
+        self.speculative = speculative or SpeculativeConfig()
+        self._drafts: dict[int, list[int]] = {}  # this step's drafts: seq_id → its guessed tokens
         self.requests: dict[str, RequestState] = {}
         self.stats = EngineStats(weight_bytes_per_token=runner.model.weight_bytes_per_token())
         self._token_texts: dict[int, str] = {}
@@ -115,6 +125,7 @@ class EngineCore:
         started = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch:
+            self._drafts = self._draft(batch) if self.speculative.enabled else {}
             hidden = self._forward(batch)
             if hidden is not None:
                 self._postprocess(batch, hidden)
@@ -150,10 +161,12 @@ class EngineCore:
     def _advance(self, s: Scheduled, hidden: torch.Tensor, first: int) -> list[tuple[int, Sequence]]:
         """Account one scheduled chunk, whose rows of the step's `hidden` begin at `first`; returns the (row, sequence)
         pairs that sample a token now."""
-        seq, start, last_row = s.seq, s.seq.num_computed_tokens, first + s.num_tokens - 1
+        seq, start = s.seq, s.seq.num_computed_tokens
+        real = s.num_tokens - len(s.draft)  # a draft's rows are checked when the row before it is sampled
+        last_row = first + real - 1
         if seq.wants_prompt_logprobs and start < seq.num_prompt_tokens:
             self._add_prompt_logprobs(seq, hidden[first : last_row + 1], start)
-        seq.num_computed_tokens += s.num_tokens
+        seq.num_computed_tokens += real
         if seq.num_computed_tokens < seq.num_tokens:
             return []  # mid-prefill: more chunks to go
         seq.registered_blocks = self.blocks.register_full_blocks(
@@ -167,15 +180,73 @@ class EngineCore:
         return [(last_row, seq)]
 
     def _sample(self, to_sample: list[tuple[int, Sequence]], hidden: torch.Tensor) -> None:
+        """A token for each (row, sequence); then each draft checked, token by token (_check_drafts)."""
         to_sample = [(r, seq) for r, seq in to_sample if not seq.is_finished]
         if not to_sample:
             return
-        keep = self._greedy_keep(to_sample[0][1]) if len(to_sample) == 1 else None
+        drafted = [(r, seq, self._drafts[seq.seq_id]) for r, seq in to_sample if seq.seq_id in self._drafts]
+        rows = [r for r, _ in to_sample] + [r + 1 + j for r, _, draft in drafted for j in range(len(draft))]
+        keep = self._greedy_keep(to_sample[0][1]) if len(rows) == 1 else None
         head = self.runner.head if keep is not None and to_sample[0][0] == hidden.shape[0] - 1 else None
         if head is not None:  # the row's head ran in the forward's call, with this keep (_lone_greedy_keep)
             logits, summary = head
         else:
-            logits, summary = gather_logits(self.runner, hidden, [r for r, _ in to_sample], keep)  # (N, V)
+            logits, summary = gather_logits(self.runner, hidden, rows, keep)  # (N, V)
+        if not drafted:
+            self._sample_rows([seq for _, seq in to_sample], logits, summary)
+            return
+        self._sample_rows([seq for _, seq in to_sample], logits[: len(to_sample)], _rows_of(summary, 0, len(to_sample)))
+        self._check_drafts(
+            [(seq, draft) for _, seq, draft in drafted],
+            logits[len(to_sample) :],
+            _rows_of(summary, len(to_sample), len(rows)),
+        )
+
+    def _check_drafts(
+        self, drafted: list[tuple[Sequence, list[int]]], logits: torch.Tensor, summary: HeadSummary | None
+    ) -> None:
+        """Each sequence's draft against what it sampled: while the token just sampled is the draft's next one, the
+        draft's row for it was computed with the right token, so its KV stands and the next token is sampled from
+        its logits (`logits`: every draft's rows, draft after draft). The first token that differs is the right one
+        where the draft went wrong; the draft's later rows are dropped (their KV is overwritten next step)."""
+        starts, at = [], 0
+        for _, draft in drafted:
+            starts.append(at)
+            at += len(draft)
+        kept = [0] * len(drafted)
+        for j in range(max(len(draft) for _, draft in drafted)):
+            now = [
+                i
+                for i, (seq, draft) in enumerate(drafted)
+                if kept[i] == j and j < len(draft) and not seq.is_finished and seq.token_ids[-1] == draft[j]
+            ]
+            if not now:
+                break
+            for i in now:
+                drafted[i][0].num_computed_tokens += 1
+                kept[i] += 1
+            picked = [starts[i] + j for i in now]
+            summary_now = (
+                None
+                if summary is None
+                else HeadSummary([summary.argmax[k] for k in picked], [summary.finite[k] for k in picked])
+            )
+            self._sample_rows([drafted[i][0] for i in now], logits[picked], summary_now)
+        st = self.stats
+        for (seq, draft), accepted in zip(drafted, kept):
+            st.spec_drafts += 1
+            st.spec_draft_tokens += len(draft)
+            st.spec_accepted_tokens += accepted
+            if len(st.spec_accepted_per_position) < len(draft):
+                st.spec_accepted_per_position.extend([0] * (len(draft) - len(st.spec_accepted_per_position)))
+            for position in range(accepted):
+                st.spec_accepted_per_position[position] += 1
+            if seq.drafts is not None:
+                seq.drafts.settle(len(draft), accepted)
+
+    def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor, summary: HeadSummary | None) -> None:
+        """One token for each sequence from its row of `logits` (and of the head's summary, where it has one)."""
+        to_sample = list(enumerate(seqs))
         for i in non_finite_rows(logits, summary):  # fails its request alone; the rest of the batch samples as usual
             self.fail(to_sample[i][1].request_id, "the model produced non-finite logits for this request")
         argmax: list[int | None] = list(summary.argmax) if summary is not None else [None] * len(to_sample)
@@ -206,6 +277,46 @@ class EngineCore:
             except Exception as exc:
                 log.exception("sampling or detokenising %s failed", seq.request_id)
                 self.fail(seq.request_id, _describe(exc))
+
+    def _draft(self, batch: list[Scheduled]) -> dict[int, list[int]]:
+        """Drafts for the step's decode rows (speculation.py), where the step is decode rows alone and few; each
+        row's scheduled tokens grow by its draft, within the step's token budget and free KV blocks."""
+        spec = self.speculative
+        if len(batch) > spec.max_rows or any(not self._may_draft(s) for s in batch):
+            return {}
+        budget = self.scheduler.max_num_batched_tokens - len(batch)
+        drafts: dict[int, list[int]] = {}
+        for s in batch:
+            seq = s.seq
+            state = seq.drafts = seq.drafts or DraftState()
+            if state.pause:
+                state.pause -= 1
+                continue
+            room = min(
+                spec.num_tokens,
+                budget,
+                seq.params.max_tokens - seq.num_output_tokens - 1,  # the tokens a step may emit: the draft's + 1
+                self.max_model_len - seq.num_tokens - 1,
+            )
+            draft = propose(seq.token_ids, state, room, spec.min_ngram, spec.max_ngram)
+            if not draft or not self.scheduler.reserve_free(seq, seq.num_tokens + len(draft)):
+                continue
+            s.draft, s.num_tokens = draft, 1 + len(draft)
+            budget -= len(draft)
+            drafts[seq.seq_id] = draft
+        return drafts
+
+    def _may_draft(self, s: Scheduled) -> bool:
+        """A decode row of a sequence whose tokens a draft cannot change: greedy, no grammar (a draft is checked
+        token by token through the same sampling, so bias, bans, penalties, logprobs and stops behave as without)."""
+        seq = s.seq
+        return (
+            s.num_tokens == 1
+            and seq.num_computed_tokens + 1 == seq.num_tokens
+            and seq.num_computed_tokens >= seq.num_prompt_tokens
+            and seq.params.greedy
+            and seq.guided is None
+        )
 
     def _lone_greedy_keep(self, batch: list[Scheduled]) -> list[int] | None:
         """Where the step is one sequence's decode row, sampled alone and greedily from its argmax and a few ids:
@@ -344,7 +455,11 @@ class EngineCore:
         st.num_used_blocks = self.blocks.num_used
         st.num_free_blocks = self.blocks.num_free
         st.num_preemptions = self.scheduler.num_preemptions
-        return EngineStats(**vars(st))
+        return EngineStats(**{**vars(st), "spec_accepted_per_position": list(st.spec_accepted_per_position)})
+
+
+def _rows_of(summary: HeadSummary | None, start: int, end: int) -> HeadSummary | None:
+    return None if summary is None else HeadSummary(summary.argmax[start:end], summary.finite[start:end])
 
 
 def _describe(exc: BaseException) -> str:

@@ -63,7 +63,8 @@ class ModelRunner:
             seq = s.seq
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + s.num_tokens
             table = seq.block_table
-            ids.extend(seq.token_ids[start:end])
+            ids.extend(seq.token_ids[start : end - len(s.draft)])
+            ids.extend(s.draft)  # guessed tokens (speculation.py), scored in the same pass
             pos.extend(range(start, end))
             new_slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             context_lens.append(end)

@@ -40,6 +40,7 @@ MAX_GUIDED_ROWS = 8  # rows a step samples under a grammar mask: llguidance walk
 class Scheduled:
     seq: Sequence
     num_tokens: int  # tokens of this sequence computed in this step, starting at seq.num_computed_tokens
+    draft: list[int] = field(default_factory=list)  # guessed tokens after its last one, the step's last rows of it
 
 
 @dataclass
@@ -220,6 +221,15 @@ class Scheduler:
                 if victim is seq:
                     return False
                 continue
+            seq.block_table.append(self.blocks.append_block())
+        return True
+
+    def reserve_free(self, seq: Sequence, num_slots: int) -> bool:
+        """Grow seq's block table to hold num_slots tokens from free blocks alone (a draft is not worth a
+        preemption); False where they run out (the blocks taken stay for its next tokens)."""
+        while len(seq.block_table) < self.blocks.blocks_needed(num_slots):
+            if not self.blocks.can_append():
+                return False
             seq.block_table.append(self.blocks.append_block())
         return True
 

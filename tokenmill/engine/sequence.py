@@ -12,6 +12,7 @@ from tokenmill.engine.guided import GuidedState
 from tokenmill.engine.kv_cache import PrefixHashes
 from tokenmill.engine.outputs import FinishReason, TokenLogprob
 from tokenmill.engine.sampling import SamplingParams
+from tokenmill.engine.speculation import DraftState
 from tokenmill.engine.stop import StopChecker
 
 _ids = itertools.count()
@@ -70,6 +71,7 @@ class Sequence:
         self.text_len = 0  # characters of output text produced (detokenised), shown or not
         self.shown_len = 0  # characters of output text released to pending_text
         self.forked = False  # children created from this prefilled prompt (n > 1)
+        self.drafts: DraftState | None = None  # its lookup index and drafts' record, once speculation drafts for it
 
     @property
     def num_tokens(self) -> int:

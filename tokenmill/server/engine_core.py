@@ -8,6 +8,7 @@ from tokenmill.engine.core import EngineCore
 from tokenmill.engine.kv_cache import BlockManager, kv_bytes_per_token
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.speculation import SpeculativeConfig
 from tokenmill.model.causal_lm import CausalLM
 from tokenmill.model.linear import prepare_linears
 from tokenmill.tokenizer import Tokenizer
@@ -28,4 +29,5 @@ def build_engine_core(model: CausalLM, tokenizer: Tokenizer, config: Config) -> 
     blocks = BlockManager(num_blocks, config.block_size)
     scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens, config.max_num_prefills)
     runner = ModelRunner(model, cfg, num_blocks, config.block_size)
-    return EngineCore(runner, tokenizer, blocks, scheduler, set(tokenizer.eos_ids), max_model_len)
+    speculative = SpeculativeConfig(method=config.speculative, num_tokens=config.num_speculative_tokens)
+    return EngineCore(runner, tokenizer, blocks, scheduler, set(tokenizer.eos_ids), max_model_len, speculative)

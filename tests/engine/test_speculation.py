@@ -1,0 +1,140 @@
+"""Draftless speculative decoding (engine/speculation.py): drafts from text a sequence has seen, checked in the step
+that computes its next token. A greedy request's tokens, text, logprobs and finish are what they are without it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.engine.tiny import TOK, run_all, tiny_core
+from tests.tiny_model import write_tiny_gguf
+from tokenmill.config import Config, ConfigError
+from tokenmill.engine.core import EngineCore
+from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.sampling import SamplingParams
+from tokenmill.engine.speculation import DraftState, propose
+from tokenmill.kernels import ops
+from tokenmill.server.load import load_engine_core
+
+REPEATED = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add("
+EOS_BANNED = {TOK.eos_id: -100.0}
+
+REQUESTS: dict[str, tuple[str, SamplingParams]] = {
+    "plain": (REPEATED, SamplingParams(max_tokens=48, temperature=0.0, logit_bias=EOS_BANNED)),
+    "logprobs": (REPEATED, SamplingParams(max_tokens=40, temperature=0.0, logprobs=3, logit_bias=EOS_BANNED)),
+    "stopped": ("abcabcabcabcabc", SamplingParams(max_tokens=40, temperature=0.0, stop=["ca"], logit_bias=EOS_BANNED)),
+    "penalised": (
+        "xyzxyzxyzxyzxyz",
+        SamplingParams(max_tokens=40, temperature=0.0, frequency_penalty=0.5, repetition_penalty=1.2),
+    ),
+    "min_tokens": ("1 2 3 1 2 3 1 2 3 1 2", SamplingParams(max_tokens=30, temperature=0.0, min_tokens=20)),
+    "biased": ("hello hello hello hello", SamplingParams(max_tokens=30, temperature=0.0, logit_bias={50: 2.0})),
+    "two": (REPEATED, SamplingParams(max_tokens=30, temperature=0.0, n=2, logit_bias=EOS_BANNED)),
+    "short": ("aaaaaaaaaaaa", SamplingParams(max_tokens=3, temperature=0.0, logit_bias=EOS_BANNED)),
+    "sampled": (REPEATED, SamplingParams(max_tokens=30, temperature=0.9, seed=3)),
+}
+
+
+def choices(outs: list[RequestOutput]) -> dict[int, dict[str, Any]]:
+    """Each choice's whole output, however the steps cut it into deltas."""
+    found: dict[int, dict[str, Any]] = {}
+    for out in outs:
+        assert out.error is None, out.error
+        for d in out.deltas:
+            c = found.setdefault(d.index, {"ids": [], "text": "", "logprobs": [], "finish": None})
+            c["ids"] += d.token_ids
+            c["text"] += d.text
+            c["logprobs"] += d.logprobs or []
+            if d.finish_reason is not None:
+                c["finish"] = (d.finish_reason, d.stop_reason, d.cumulative_logprob, d.num_tokens)
+    return found
+
+
+def run(core: EngineCore, names: list[str]) -> dict[str, dict[int, dict[str, Any]]]:
+    for name in names:
+        prompt, params = REQUESTS[name]
+        core.add_request(name, TOK.encode(prompt), params)
+    return {name: choices(outs) for name, outs in run_all(core).items()}
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["alone", "together"])
+def test_greedy_outputs_are_the_same_with_and_without_drafts(together: bool) -> None:
+    groups = [list(REQUESTS)] if together else [[name] for name in REQUESTS]
+    plain, drafted = {}, {}
+    core = tiny_core(speculative="ngram", num_speculative_tokens=5)
+    for names in groups:
+        plain.update(run(tiny_core(), names))
+        drafted.update(run(core, names))
+    assert drafted == plain
+    st = core.snapshot_stats()
+    assert st.spec_drafts > 0 and 0 < st.spec_accepted_tokens <= st.spec_draft_tokens  # drafts were made and kept
+    assert sum(st.spec_accepted_per_position) == st.spec_accepted_tokens
+
+
+@pytest.mark.skipif(not ops.gguf_matmul_available(), reason="the GGUF kernel is not built here")
+def test_greedy_outputs_are_the_same_on_the_c_path_with_its_greedy_head(tmp_path: Path) -> None:
+    """A Q8_0 head: a lone row's step runs in one C call with the head's quick pass; a drafted step does not."""
+    path = write_tiny_gguf(tmp_path / "q8.gguf", quantize=True)
+
+    def core(**extra: object) -> EngineCore:
+        return load_engine_core(Config(model=str(path), cache_dir=str(tmp_path / "cache"), **extra)).core  # type: ignore[arg-type]
+
+    names = ["plain", "logprobs", "penalised", "two"]
+    drafting = core(speculative="ngram")
+    for name in names:
+        assert run(drafting, [name]) == run(core(), [name])
+    assert run(drafting, names) == run(core(), names)
+    assert drafting.snapshot_stats().spec_accepted_tokens > 0
+
+
+def test_a_sampled_request_gets_no_draft() -> None:
+    core = tiny_core(speculative="ngram")
+    run(core, ["sampled"])
+    assert core.snapshot_stats().spec_drafts == 0
+
+
+@pytest.mark.parametrize("extra", [0, 1], ids=["as many rows as pay", "one more"])
+def test_drafts_only_in_steps_of_few_decode_rows(extra: int) -> None:
+    """The same prompt for every request, all prefilled in one step: they decode side by side to the end."""
+    core = tiny_core(speculative="ngram", max_num_prefills=8, max_num_batched_tokens=512)
+    for i in range(core.speculative.max_rows + extra):
+        params = SamplingParams(max_tokens=40, temperature=0.0, logit_bias=EOS_BANNED)
+        core.add_request(f"r{i}", TOK.encode(REPEATED), params)
+    run_all(core)
+    assert (core.snapshot_stats().spec_drafts > 0) == (extra == 0)
+
+
+def test_lookup_takes_what_followed_the_longest_most_recent_match() -> None:
+    tokens = [1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 6, 7, 2, 3]
+    assert propose(tokens, DraftState(), 3, 2, 4) == [4, 5, 6]  # "2 3" last seen before the end at 6..7
+    assert propose([5, 6, 7, 8, 1, 2], DraftState(), 3, 2, 4) == []  # no earlier "1 2"
+    assert propose(tokens, DraftState(), 0, 2, 4) == []
+    longest = [7, 1, 2, 8, 0, 1, 2, 9, 7, 1, 2]  # "1 2" last before "9"; "7 1 2" before "8"
+    assert propose(longest, DraftState(), 2, 2, 4) == [8, 0]
+
+
+def test_lookup_index_grows_with_the_sequence() -> None:
+    state = DraftState()
+    tokens = [1, 2, 3, 1, 2]
+    assert propose(tokens, state, 2, 2, 4) == [3, 1]
+    tokens += [3, 4, 1, 2, 3]
+    assert propose(tokens, state, 2, 2, 4) == [4, 1]
+    assert state.indexed == len(tokens)
+
+
+def test_misses_in_a_row_pause_drafting_longer() -> None:
+    state = DraftState()
+    pauses = []
+    for _ in range(8):
+        state.settle(4, 0)
+        pauses.append(state.pause)
+    assert pauses == [1, 2, 4, 8, 16, 32, 32, 32]
+    state.settle(4, 2)
+    assert state.misses == 0
+
+
+def test_the_flags_check_the_draft_length() -> None:
+    with pytest.raises(ConfigError):
+        Config(speculative="ngram", num_speculative_tokens=0)
