@@ -36,7 +36,10 @@ COMPANIONS: dict[str, dict[str, Any]] = {
     "min_replicas": {"max_replicas": 9},  # autoscaling settings need its upper bound
     "target_ongoing_requests": {"max_replicas": 9},
 }
-VALUES: dict[str, Any] = {name: "90/min" for name in RATE_LIMITS}  # str fields whose text Config checks
+VALUES: dict[str, Any] = {  # str fields whose text Config checks
+    **{name: "90/min" for name in RATE_LIMITS},
+    "speculative_config": '{"method": "ngram", "prompt_lookup_max": 3}',
+}
 
 
 @pytest.fixture(autouse=True)

@@ -9,6 +9,7 @@ both are parsed to: `int | None` parses as int, `tuple[str, ...]` is a repeatabl
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Callable
 from dataclasses import Field, dataclass, field, fields, replace
@@ -92,6 +93,11 @@ class Config:
         choices=SPECULATIVE_METHODS,
     )
     num_speculative_tokens: int = _opt(4, "most guessed tokens a stream's step checks (--speculative)")
+    speculative_config: str | None = _opt(
+        None,
+        "vLLM's form, a JSON object over the two flags above: method, num_speculative_tokens, prompt_lookup_min and"
+        " prompt_lookup_max (the shortest and longest run of last tokens looked up; default 2 and 4)",
+    )
     greedy_head: bool = _opt(
         True,
         "a GGUF model's Q8_0 LM head also kept with 6-bit codes (3/4 of its bytes more memory): a lone greedy"
@@ -187,8 +193,7 @@ class Config:
             raise ConfigError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.weight_quantization != "none" and self.dtype != "bfloat16":
             raise ConfigError("weight-only quantisation runs with bfloat16 activations: add --dtype bfloat16")
-        if self.num_speculative_tokens < 1:
-            raise ConfigError("num_speculative_tokens must be at least 1")
+        self.speculative_settings()  # raises on a bad one
         if min(self.block_size, self.max_num_seqs, self.max_num_batched_tokens, self.max_num_prefills) <= 0:
             raise ConfigError("block_size, max_num_seqs, max_num_batched_tokens and max_num_prefills must be positive")
         sizes = (self.max_request_bytes, self.max_header_bytes, self.max_response_bytes)
@@ -209,6 +214,35 @@ class Config:
             raise ConfigError(f"{len(self.served_model_name)} served model names for {count} model(s)")
         if self.kv_cache_weights and (len(self.kv_cache_weights) != count or min(self.kv_cache_weights) <= 0):
             raise ConfigError(f"kv_cache_weights needs {count} positive weight(s), one per model")
+
+    def speculative_settings(self) -> dict[str, Any]:
+        """--speculative and --num-speculative-tokens, with vLLM's --speculative-config JSON over them: method,
+        num_speculative_tokens, prompt_lookup_min and prompt_lookup_max. A key it cannot honour is an error."""
+        settings: dict[str, Any] = {"method": self.speculative, "num_speculative_tokens": self.num_speculative_tokens}
+        if self.speculative_config:
+            try:
+                given = json.loads(self.speculative_config)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"speculative_config is not JSON: {exc}") from None
+            if not isinstance(given, dict):
+                raise ConfigError("speculative_config must be a JSON object")
+            unknown = sorted(set(given) - {*settings, "prompt_lookup_min", "prompt_lookup_max"})
+            if unknown:
+                raise ConfigError(
+                    f"speculative_config: {', '.join(unknown)} not supported (method, num_speculative_tokens,"
+                    " prompt_lookup_min and prompt_lookup_max are)"
+                )
+            settings.update(given)
+        longest = settings.setdefault("prompt_lookup_max", 4)
+        settings.setdefault("prompt_lookup_min", min(2, longest) if isinstance(longest, int) else 2)
+        if settings["method"] not in SPECULATIVE_METHODS:
+            raise ConfigError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {settings['method']!r}")
+        counts = [settings[k] for k in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")]
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in counts):
+            raise ConfigError("num_speculative_tokens, prompt_lookup_min and prompt_lookup_max must be at least 1")
+        if settings["prompt_lookup_min"] > settings["prompt_lookup_max"]:
+            raise ConfigError("prompt_lookup_min must not be above prompt_lookup_max")
+        return settings
 
     def _check_replicas(self) -> None:
         autoscaling = self.min_replicas is not None or self.target_ongoing_requests is not None

@@ -14,7 +14,7 @@ from tokenmill.config import Config, ConfigError
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.sampling import SamplingParams
-from tokenmill.engine.speculation import DraftState, propose
+from tokenmill.engine.speculation import DraftState, SpeculativeConfig, propose
 from tokenmill.kernels import ops
 from tokenmill.server.load import load_engine_core
 
@@ -138,3 +138,26 @@ def test_misses_in_a_row_pause_drafting_longer() -> None:
 def test_the_flags_check_the_draft_length() -> None:
     with pytest.raises(ConfigError):
         Config(speculative="ngram", num_speculative_tokens=0)
+
+
+def test_vllms_speculative_config_sets_the_lookup() -> None:
+    given = '{"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 5, "prompt_lookup_min": 3}'
+    core = tiny_core(speculative_config=given)
+    assert core.speculative == SpeculativeConfig("ngram", num_tokens=6, min_ngram=3, max_ngram=5)
+    assert tiny_core(speculative="ngram").speculative == SpeculativeConfig("ngram", 4, 2, 4)
+
+
+@pytest.mark.parametrize(
+    ("given", "named"),
+    [
+        ('{"method": "eagle"}', "eagle"),
+        ('{"method": "ngram", "model": "draft.gguf"}', "model"),
+        ('{"prompt_lookup_min": 5, "prompt_lookup_max": 3}', "prompt_lookup_min"),
+        ('{"num_speculative_tokens": 0}', "num_speculative_tokens"),
+        ('["ngram"]', "JSON object"),
+        ("{ngram", "not JSON"),
+    ],
+)
+def test_a_speculative_config_it_cannot_honour_is_refused_by_name(given: str, named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        Config(speculative_config=given)

@@ -284,7 +284,8 @@ class EngineCore:
         spec = self.speculative
         if len(batch) > spec.max_rows or any(not self._may_draft(s) for s in batch):
             return {}
-        budget = self.scheduler.max_num_batched_tokens - len(batch)
+        budget = min(self.scheduler.max_num_batched_tokens - len(batch), spec.step_tokens)
+        share = max(1, spec.step_tokens // len(batch))  # each row's part of the step's draft tokens
         drafts: dict[int, list[int]] = {}
         for s in batch:
             seq = s.seq
@@ -294,6 +295,7 @@ class EngineCore:
                 continue
             room = min(
                 spec.num_tokens,
+                share,
                 budget,
                 seq.params.max_tokens - seq.num_output_tokens - 1,  # the tokens a step may emit: the draft's + 1
                 self.max_model_len - seq.num_tokens - 1,

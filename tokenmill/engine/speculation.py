@@ -12,8 +12,9 @@ them a step.
 
 When it pays: a decode step on a CPU is bound by reading the weights, so a few more rows cost little while the batch is
 small; a wrong draft costs the extra rows (and, for a lone greedy row, the LM head's quick pass: gguf_greedy_row). So
-drafts are made only in steps of at most `max_rows` decode rows and no prompt chunk, and a sequence whose draft missed
-entirely waits before its next, twice as long after each miss in a row.
+drafts are made only in steps of at most `max_rows` decode rows and no prompt chunk, a step's rows share at most
+`step_tokens` draft tokens, and a sequence whose draft missed entirely waits before its next, twice as long after each
+miss in a row (docs/decisions/0037-draftless-speculation.md has the measurements).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class SpeculativeConfig:
     min_ngram: int = 2
     max_ngram: int = 4
     max_rows: int = 4  # drafts only in steps of at most this many decode rows
+    step_tokens: int = 8  # draft tokens in one step, at most: shared between its rows
 
     @property
     def enabled(self) -> bool:

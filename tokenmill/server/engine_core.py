@@ -29,5 +29,11 @@ def build_engine_core(model: CausalLM, tokenizer: Tokenizer, config: Config) -> 
     blocks = BlockManager(num_blocks, config.block_size)
     scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens, config.max_num_prefills)
     runner = ModelRunner(model, cfg, num_blocks, config.block_size)
-    speculative = SpeculativeConfig(method=config.speculative, num_tokens=config.num_speculative_tokens)
+    spec = config.speculative_settings()
+    speculative = SpeculativeConfig(
+        method=spec["method"],
+        num_tokens=spec["num_speculative_tokens"],
+        min_ngram=spec["prompt_lookup_min"],
+        max_ngram=spec["prompt_lookup_max"],
+    )
     return EngineCore(runner, tokenizer, blocks, scheduler, set(tokenizer.eos_ids), max_model_len, speculative)
