@@ -1,7 +1,8 @@
-"""In-process decode speed with and without draftless speculation (no HTTP): greedy, EOS banned, 128 tokens a stream.
+"""In-process decode speed with and without draftless speculation (no HTTP): EOS banned, 128 tokens a stream.
 
 python scripts/speculation_speed.py                      # 1 and 4 streams, the edit and free prompts, off and ngram
 python scripts/speculation_speed.py --clients 1 --workload edit --model FILE.gguf
+python scripts/speculation_speed.py --temperature 0.7    # sampled (greedy by default), each stream seeded
 
 `edit`: a function of the standard library's json module, to be written out again without its docstring (most of
 the answer is in the prompt); `free`: the prompts `tokenmill bench` sends, one per stream. Each setting runs in a
@@ -26,7 +27,7 @@ EDIT = (
 )
 
 
-def one(model: str | None, method: str, clients: int, workload: str, tokens: int) -> str:
+def one(model: str | None, method: str, clients: int, workload: str, tokens: int, temperature: float) -> str:
     from tokenmill.config import Config
     from tokenmill.engine.sampling import SamplingParams
     from tokenmill.server.load import load_engine
@@ -40,7 +41,7 @@ def one(model: str | None, method: str, clients: int, workload: str, tokens: int
         for r in range(2):
             for c in range(clients):
                 prompt = EDIT if workload == "edit" else PROMPTS[(r * clients + c) % len(PROMPTS)]
-                params = SamplingParams(max_tokens=tokens, temperature=0.0, logit_bias=ban)
+                params = SamplingParams(max_tokens=tokens, temperature=temperature, seed=c, logit_bias=ban)
                 core.add_request(f"r{r}-{c}", tok.encode(prompt), params)
             start, made = time.perf_counter(), 0
             for _ in range(100_000):  # bounded: every stream ends after `tokens` tokens
@@ -63,25 +64,18 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--workload", nargs="+", choices=("edit", "free"), default=["edit", "free"])
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--one", nargs=3, metavar=("METHOD", "CLIENTS", "WORKLOAD"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         method, clients, workload = args.one
-        print(one(args.model, method, int(clients), workload, args.tokens), flush=True)
+        print(one(args.model, method, int(clients), workload, args.tokens, args.temperature), flush=True)
         return
     for workload in args.workload:
         for clients in args.clients:
             for method in ("off", "ngram"):
-                command = [
-                    sys.executable,
-                    __file__,
-                    "--one",
-                    method,
-                    str(clients),
-                    workload,
-                    "--tokens",
-                    str(args.tokens),
-                ]
+                command = [sys.executable, __file__, "--one", method, str(clients), workload]
+                command += ["--tokens", str(args.tokens), "--temperature", str(args.temperature)]
                 if args.model:
                     command += ["--model", args.model]
                 subprocess.run(command, check=True, timeout=1800)

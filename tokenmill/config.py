@@ -88,7 +88,7 @@ class Config:
     )
     speculative: str = _opt(
         "off",
-        "draftless speculative decoding: ngram guesses a greedy stream's next tokens from text it has seen (prompt"
+        "draftless speculative decoding: ngram guesses a stream's next tokens from text it has seen (prompt"
         " lookup) and the model checks them in the step that computes its next token (the same tokens, more a step)",
         choices=SPECULATIVE_METHODS,
     )

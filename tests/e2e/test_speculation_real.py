@@ -70,6 +70,7 @@ def test_streams_side_by_side_with_logprobs_and_stops_give_the_same_output(cores
         "edit": (EDIT, greedy(off, logprobs=2)),
         "story": (PROMPTS["story"], greedy(off, stop=["."])),
         "sampled": (PROMPTS["recipe"], SamplingParams(max_tokens=40, temperature=0.8, seed=7)),
+        "copied": (EDIT, SamplingParams(max_tokens=60, temperature=0.7, top_p=0.9, seed=3, logprobs=1)),
         "code": (PROMPTS["code"], greedy(off, max_tokens=40, frequency_penalty=0.3)),
     }
     assert outputs(cores["ngram"], requests) == outputs(off, requests)

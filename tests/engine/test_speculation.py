@@ -34,6 +34,7 @@ REQUESTS: dict[str, tuple[str, SamplingParams]] = {
     "two": (REPEATED, SamplingParams(max_tokens=30, temperature=0.0, n=2, logit_bias=EOS_BANNED)),
     "short": ("aaaaaaaaaaaa", SamplingParams(max_tokens=3, temperature=0.0, logit_bias=EOS_BANNED)),
     "sampled": (REPEATED, SamplingParams(max_tokens=30, temperature=0.9, seed=3)),
+    "peaked": (REPEATED, SamplingParams(max_tokens=40, temperature=0.3, top_k=20, seed=11, logit_bias=EOS_BANNED)),
 }
 
 
@@ -89,10 +90,12 @@ def test_greedy_outputs_are_the_same_on_the_c_path_with_its_greedy_head(tmp_path
     assert drafting.snapshot_stats().spec_accepted_tokens > 0
 
 
-def test_a_sampled_request_gets_no_draft() -> None:
+def test_a_seeded_sampled_request_is_drafted_and_draws_the_same_tokens() -> None:
+    """Each token takes one draw from the sequence's generator, in order, with a draft as without."""
     core = tiny_core(speculative="ngram")
-    run(core, ["sampled"])
-    assert core.snapshot_stats().spec_drafts == 0
+    assert run(core, ["peaked", "sampled"]) == run(tiny_core(), ["peaked", "sampled"])
+    st = core.snapshot_stats()
+    assert st.spec_drafts > 0 and st.spec_accepted_tokens > 0
 
 
 @pytest.mark.parametrize("extra", [0, 1], ids=["as many rows as pay", "one more"])

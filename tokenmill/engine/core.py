@@ -309,14 +309,14 @@ class EngineCore:
         return drafts
 
     def _may_draft(self, s: Scheduled) -> bool:
-        """A decode row of a sequence whose tokens a draft cannot change: greedy, no grammar (a draft is checked
-        token by token through the same sampling, so bias, bans, penalties, logprobs and stops behave as without)."""
+        """A decode row of a sequence without a grammar. A draft cannot change its tokens: they are sampled one by one
+        through the same code, a sampled sequence's from its own generator, one draw per token in order as without
+        a draft, so bias, bans, penalties, logprobs, stops and seeds behave as without."""
         seq = s.seq
         return (
             s.num_tokens == 1
             and seq.num_computed_tokens + 1 == seq.num_tokens
             and seq.num_computed_tokens >= seq.num_prompt_tokens
-            and seq.params.greedy
             and seq.guided is None
         )
 

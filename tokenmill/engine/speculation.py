@@ -7,8 +7,10 @@ earlier occurrence are the draft. A decode row with a draft of d tokens becomes 
 chunk over the paged cache: one pass over the weights scores them all. Its rows are sampled in order, each as the plain
 decode step would sample it (the same logits bit for bit, by batch invariance: docs/decisions/0001-batch-invariance.md),
 and the draft is kept for as long as it agrees with what was sampled; the first disagreement is itself the right next
-token. So a greedy sequence emits exactly the tokens, logprobs and text it emits without speculation, 1 to d + 1 of
-them a step.
+token. A sampled sequence draws from its own generator once per token, in order, as it does without a draft, so a
+draft token is kept with the probability the model gives it (what the standard rejection rule gives a draft that is
+one token for sure) and the draws are the same. So a sequence emits exactly the tokens, logprobs and text it emits
+without speculation, seed for seed, 1 to d + 1 of them a step.
 
 When it pays: a decode step on a CPU is bound by reading the weights, so a few more rows cost little while the batch is
 small; a wrong draft costs the extra rows (and, for a lone greedy row, the LM head's quick pass: gguf_greedy_row). So
