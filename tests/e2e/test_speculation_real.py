@@ -74,3 +74,10 @@ def test_streams_side_by_side_with_logprobs_and_stops_give_the_same_output(cores
         "code": (PROMPTS["code"], greedy(off, max_tokens=40, frequency_penalty=0.3)),
     }
     assert outputs(cores["ngram"], requests) == outputs(off, requests)
+
+
+def test_a_seeded_sampled_stream_alone_keeps_its_text(cores: dict[str, EngineCore]) -> None:
+    before = cores["ngram"].snapshot_stats().spec_accepted_tokens
+    requests = {"copied": (EDIT, SamplingParams(max_tokens=80, temperature=0.7, top_p=0.9, seed=5, logprobs=1))}
+    assert outputs(cores["ngram"], requests) == outputs(cores["off"], requests)
+    assert cores["ngram"].snapshot_stats().spec_accepted_tokens > before  # its drafts were checked and kept

@@ -93,9 +93,23 @@ def test_greedy_outputs_are_the_same_on_the_c_path_with_its_greedy_head(tmp_path
 def test_a_seeded_sampled_request_is_drafted_and_draws_the_same_tokens() -> None:
     """Each token takes one draw from the sequence's generator, in order, with a draft as without."""
     core = tiny_core(speculative="ngram")
-    assert run(core, ["peaked", "sampled"]) == run(tiny_core(), ["peaked", "sampled"])
+    for name in ("peaked", "sampled"):
+        assert run(core, [name]) == run(tiny_core(), [name]), name
     st = core.snapshot_stats()
     assert st.spec_drafts > 0 and st.spec_accepted_tokens > 0
+
+
+def test_sampled_rows_draft_only_alone() -> None:
+    """Sampling a row costs more than its share of the pass: beside another row, a sampled row gets no draft."""
+    prompt, params = REQUESTS["peaked"]
+    alone, together = tiny_core(speculative="ngram"), tiny_core(speculative="ngram")
+    alone.add_request("a", TOK.encode(prompt), params)
+    for name in ("a", "b"):  # the same prompt and length: prefilled and decoded side by side to the end
+        together.add_request(name, TOK.encode(prompt), params)
+    run_all(alone)
+    run_all(together)
+    assert alone.snapshot_stats().spec_drafts > 0
+    assert together.snapshot_stats().spec_drafts == 0
 
 
 @pytest.mark.parametrize("extra", [0, 1], ids=["as many rows as pay", "one more"])

@@ -284,6 +284,8 @@ class EngineCore:
         spec = self.speculative
         if len(batch) > spec.max_rows or any(not self._may_draft(s) for s in batch):
             return {}
+        if len(batch) > 1 and not all(s.seq.params.greedy for s in batch):
+            return {}  # sampling a row costs more than its pass: several drafting sampled rows lost (decision 0037)
         budget = min(self.scheduler.max_num_batched_tokens - len(batch), spec.step_tokens)
         share = max(1, spec.step_tokens // len(batch))  # each row's part of the step's draft tokens
         drafts: dict[int, list[int]] = {}
