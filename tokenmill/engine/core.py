@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -195,12 +195,10 @@ class EngineCore:
         if not drafted:
             self._sample_rows([seq for _, seq in to_sample], logits, summary)
             return
-        self._sample_rows([seq for _, seq in to_sample], logits[: len(to_sample)], _rows_of(summary, 0, len(to_sample)))
-        self._check_drafts(
-            [(seq, draft) for _, seq, draft in drafted],
-            logits[len(to_sample) :],
-            _rows_of(summary, len(to_sample), len(rows)),
-        )
+        n = len(to_sample)
+        self._sample_rows([seq for _, seq in to_sample], logits[:n], _picked(summary, range(n)))
+        drafts = [(seq, draft) for _, seq, draft in drafted]
+        self._check_drafts(drafts, logits[n:], _picked(summary, range(n, len(rows))))
 
     def _check_drafts(
         self, drafted: list[tuple[Sequence, list[int]]], logits: torch.Tensor, summary: HeadSummary | None
@@ -226,12 +224,7 @@ class EngineCore:
                 drafted[i][0].num_computed_tokens += 1
                 kept[i] += 1
             picked = [starts[i] + j for i in now]
-            summary_now = (
-                None
-                if summary is None
-                else HeadSummary([summary.argmax[k] for k in picked], [summary.finite[k] for k in picked])
-            )
-            self._sample_rows([drafted[i][0] for i in now], logits[picked], summary_now)
+            self._sample_rows([drafted[i][0] for i in now], logits[picked], _picked(summary, picked))
         st = self.stats
         for (seq, draft), accepted in zip(drafted, kept):
             st.spec_drafts += 1
@@ -462,8 +455,12 @@ class EngineCore:
         return EngineStats(**{**vars(st), "spec_accepted_per_position": list(st.spec_accepted_per_position)})
 
 
-def _rows_of(summary: HeadSummary | None, start: int, end: int) -> HeadSummary | None:
-    return None if summary is None else HeadSummary(summary.argmax[start:end], summary.finite[start:end])
+def _picked(summary: HeadSummary | None, rows: Iterable[int]) -> HeadSummary | None:
+    """What the head's pass found in these of its rows."""
+    if summary is None:
+        return None
+    rows = list(rows)
+    return HeadSummary([summary.argmax[r] for r in rows], [summary.finite[r] for r in rows])
 
 
 def _describe(exc: BaseException) -> str:
