@@ -245,9 +245,9 @@ class StepPlan:
         self._tables: list[tuple[torch.Tensor, torch.Tensor]] = []  # the rotary tables the plan points into
         self._scratch, self._scratch_rows, self._scratch_at = torch.empty(0), 0, 0
         self._output, self._output_rows = torch.empty(0), 0
-        self._view: tuple[torch.Tensor, int] | None = None
+        self._view, self._view_rows = (self._output, 0), 0  # the last output view, and its rows (0: none yet)
         self._slots: tuple[torch.Tensor | None, int] = (None, 0)
-        self._head: tuple[torch.Tensor | None, torch.Tensor | None, int, int, int] = (None, None, 0, 0, 0)
+        self._head: tuple[torch.Tensor | None, torch.Tensor | None, int, int, int, int] = (None, None, 0, 0, 0, 0)
         self.logits = torch.empty(1, 0)  # a lone greedy row's logits, as its head wrote them
 
     @classmethod
@@ -295,9 +295,9 @@ class StepPlan:
         if self._output_rows < rows:
             self._output_rows = max(rows, 2 * self._output_rows)
             self._output = torch.empty(self._output_rows, self.hidden, dtype=torch.bfloat16)
-            self._view = None
-        if self._view is None or self._view[0].shape[0] != rows:
-            self._view = (self._output[:rows], self._output.data_ptr())
+            self._view_rows = 0
+        if self._view_rows != rows:
+            self._view, self._view_rows = (self._output[:rows], self._output.data_ptr()), rows
         return self._view
 
     def slots_address(self, slots: torch.Tensor) -> int:
@@ -309,10 +309,10 @@ class StepPlan:
     def greedy_head(self, high6: torch.Tensor, packed: torch.Tensor, n: int, keep: list[int]) -> ops.GreedyHead:
         """ops.greedy_head over the head's 6-bit copy and regrouped rows (GgufLinear.greedy_parts), of width n,
         writing into `logits`."""
-        if high6 is not self._head[0] or packed is not self._head[1] or self.logits.shape[1] != n:
+        if high6 is not self._head[0] or packed is not self._head[1] or self._head[2] != n:
             self.logits = torch.empty(1, n, dtype=torch.float32)
-            self._head = (high6, packed, high6.data_ptr(), packed.data_ptr(), self.logits.data_ptr())
-        _, _, high6_at, packed_at, logits_at = self._head
+            self._head = (high6, packed, n, high6.data_ptr(), packed.data_ptr(), self.logits.data_ptr())
+        _, _, _, high6_at, packed_at, logits_at = self._head
         return ops.greedy_head(high6_at, packed_at, logits_at, n, keep)
 
     def point_at_tables(self, furthest: int) -> None:
