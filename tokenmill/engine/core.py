@@ -456,11 +456,7 @@ class EngineCore:
 
 
 def _picked(summary: HeadSummary | None, rows: Iterable[int]) -> HeadSummary | None:
-    """What the head's pass found in these of its rows."""
-    if summary is None:
-        return None
-    rows = list(rows)
-    return HeadSummary([summary.argmax[r] for r in rows], [summary.finite[r] for r in rows])
+    return None if summary is None else summary.picked(rows)
 
 
 def _describe(exc: BaseException) -> str:

@@ -49,7 +49,7 @@ def gather_logits(
         where = [index[r] for r in rows]
         logits = logits[where]  # (N, V), a copy
         if summary is not None:
-            summary = HeadSummary([summary.argmax[i] for i in where], [summary.finite[i] for i in where])
+            summary = summary.picked(where)
     return logits, summary
 
 

@@ -680,7 +680,7 @@ def decoder_forward(
     out: tuple[torch.Tensor, int] | None = None,
     greedy: GreedyHead | None = None,
 ) -> torch.Tensor:
-    """A step from T token ids to the final norm's output (T, hidden) bf16, a new tensor, in one C call: the
+    """A step from T token ids to the final norm's output (T, hidden) bf16 in one C call: the
     embedding's rows, the rotary rows of `positions`, every layer of `layers` as decoder_stack runs them (`kinds`: the
     key lists; its cos and sin are picked here; `slot_mapping`: each new row's cache slot), the final norm. What
     `plan`, `layers` and `kinds` point into must outlive the call. `scratch`: the address of room for 2 T rows of bf16,

@@ -8,7 +8,7 @@ they are.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import ClassVar, cast
 
@@ -48,6 +48,11 @@ class HeadSummary:
 
     argmax: list[int]  # the first index of the row's largest value (meaningless where the row is not finite)
     finite: list[bool]
+
+    def picked(self, rows: Iterable[int]) -> HeadSummary:
+        """What it found in these of its rows, in this order (repeats allowed)."""
+        rows = list(rows)
+        return HeadSummary([self.argmax[r] for r in rows], [self.finite[r] for r in rows])
 
 
 @dataclass(frozen=True)
