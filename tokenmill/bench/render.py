@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tokenmill.bench.report import format_value, ratios, rows
+from tokenmill.bench.report import format_value, ratios, rows, workload_lines
 
 BENCH_DIR = Path("docs") / "bench"
 PAGE = Path("docs") / "performance.md"
@@ -44,6 +44,11 @@ time to first token (TTFT); the aggregate speed, latency and TTFT at N concurren
 (RSS); and start-up times, the first on an empty cache directory. Each figure is the median over rounds that run the
 servers in turn (A B A B), so that the machine's drift between minutes falls on all of them alike. The ratio columns
 divide tokenmill's figure by the peer's: above 1 is better for tok/s, below 1 for times and memory.
+
+A table headed by a workload is one `tokenmill bench --workload` run instead: speculative decoding on that
+workload's prompts, tokenmill with it and without, and llama-server with its lookup decoding and without (the flags
+under the table), each taking every prompt once as a single stream, then the concurrent clients. Its ratio columns
+divide the speculating tokenmill's figures by each other system's.
 
 How to run it and what each figure means: [benchmarking](benchmarking.md).
 """
@@ -90,7 +95,12 @@ def machine_line(runs: Sequence[dict[str, Any]]) -> str:
 
 def run_section(results: dict[str, Any]) -> str:
     meta = results["meta"]
-    lines = [f"### {meta['model'] or 'the server at --url'}", "", *table(results["figures"], meta), ""]
+    heading = meta["model"] or "the server at --url"
+    if "workload" in meta:
+        heading += f", {meta['workload']['name']} workload"
+    lines = [f"### {heading}", "", *table(results["figures"], meta), ""]
+    if "workload" in meta:
+        lines += [*(f"- {line}" for line in workload_lines(meta["workload"]).splitlines()), ""]
     lines += [f"`{meta['command']}`", "", provenance(meta)]
     if results.get("notes"):
         lines += ["", "Notes:", "", *(f"- {note}" for note in results["notes"])]
@@ -124,7 +134,9 @@ def provenance(meta: dict[str, Any]) -> str:
 
 
 def summary(runs: Sequence[tuple[str, dict[str, Any]]]) -> str:
-    """The README's table: per machine kind, model and peer, tokenmill's headline figures against the peer's."""
+    """The README's table: per machine kind, model and peer, tokenmill's headline figures against the peer's (from
+    the standard runs, not the --workload ones)."""
+    runs = [(name, results) for name, results in runs if "workload" not in results["meta"]]
     concurrency = max(max(results["meta"]["table_concurrency"]) for _, results in runs)
     headings = [heading.format(c=concurrency) for _, heading, _ in HEADLINE]
     lines = [_row(["machine", "model", "against", *headings]), _row(["---"] * (3 + len(headings)))]

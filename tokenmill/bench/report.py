@@ -109,3 +109,25 @@ def notes_for(systems: dict[str, Figures]) -> list[str]:
 
 def write_json(path: str | Path, results: dict[str, Any]) -> None:
     Path(path).write_text(json.dumps(results, indent=1, default=str) + "\n")
+
+
+def workload_lines(workload: dict[str, Any]) -> str:
+    """A --workload run's own findings: whether the speculating tokenmill answered as the other, and how many of its
+    draft tokens were kept."""
+    agreement, spec = workload["agreement"], workload["speculation"]
+    lines = [
+        f"workload {workload['name']}: {workload['prompts']} prompts"
+        + (f" built from {', '.join(workload['sources'])}" if workload["sources"] else ""),
+        (
+            f"tokenmill with and without --speculative {workload['speculative']}: {agreement['identical']} of "
+            f"{agreement['compared']} answers identical"
+        ),
+    ]
+    if spec.get("acceptance") is not None:
+        lines.append(
+            f"drafts: {spec['spec_drafts']}, draft tokens {spec['spec_draft_tokens']}, kept "
+            f"{spec['spec_accepted_tokens']} ({spec['acceptance']:.0%})"
+        )
+    if workload.get("llama_lookup_args"):
+        lines.append(f"llama-server+lookup: {workload['llama_lookup_args']}")
+    return "\n".join(lines)

@@ -22,7 +22,7 @@ from typing import Any
 
 import aiohttp
 
-from tokenmill.bench import bandwidth, hf_baseline, load, real_models, report, synthetic
+from tokenmill.bench import bandwidth, hf_baseline, load, real_models, report, synthetic, workload_run, workloads
 from tokenmill.bench.flags import ALL_PEERS
 from tokenmill.bench.ik_llama import ik_llama_binary, ik_llama_server_spec
 from tokenmill.bench.llama_server import (
@@ -51,6 +51,7 @@ from tokenmill.bench.stats import flat_figures, median_of_rounds
 
 Figures = dict[str, float | None]
 PROMPT_ROOM = 64  # tokens of slack over a long prompt's nominal length in a slot sized for it
+SINGLE_RUNS, CONCURRENCY = 2, (1, 4, 16)  # the standard run's single-stream requests and client levels
 HF_NAMES = {"bfloat16": "hf-bf16", "float32": "hf-fp32"}  # transformers generate() in a subprocess
 
 
@@ -69,8 +70,11 @@ def run_bench(args: argparse.Namespace) -> int:
         if args.synthetic:
             args.model = str(_synthetic_file(args))
         args.model = real_models.resolve_model(args.model, args.llama_server_dir.parent / "models")
-        results = bench_external(args) if args.url else bench_managed(args)
-    except (NotLoopbackError, ServerStartError, aiohttp.ClientError) as exc:
+        if args.workload:
+            results = bench_workload(args)
+        else:
+            results = bench_external(args) if args.url else bench_managed(args)
+    except (NotLoopbackError, ServerStartError, aiohttp.ClientError, ValueError) as exc:
         print(f"tokenmill bench: {exc}", file=sys.stderr)
         return 2
     print()
@@ -82,6 +86,8 @@ def run_bench(args: argparse.Namespace) -> int:
         print(line)
     for note in results["notes"]:
         print("note:", note)
+    if "workload" in meta:
+        print(report.workload_lines(meta["workload"]))
     if args.json:
         path = results_path(args.json, results["meta"])
         report.write_json(path, results)
@@ -95,15 +101,16 @@ def results_path(json_arg: Path, meta: dict[str, Any]) -> Path:
     if not json_arg.is_dir():
         return json_arg
     model = Path(meta["model"]).stem if meta["model"] else "server"
-    return json_arg / f"{meta['machine']['kind']}--{slug(model)}.json"
+    workload = f"--{meta['workload']['name']}" if "workload" in meta else ""
+    return json_arg / f"{meta['machine']['kind']}--{slug(model)}{workload}.json"
 
 
 def load_settings(args: argparse.Namespace) -> LoadSettings:
     return LoadSettings(
         max_tokens=args.max_tokens,
         eos_ids=tuple(args.eos_ids) if args.eos_ids is not None else None,
-        single_runs=args.single_runs,
-        concurrency=tuple(args.concurrency),
+        single_runs=args.single_runs or SINGLE_RUNS,
+        concurrency=tuple(args.concurrency or CONCURRENCY),
         requests=args.requests,
         level_timeout_s=args.level_timeout,
         request_timeout_s=args.request_timeout,
@@ -124,6 +131,32 @@ def bench_external(args: argparse.Namespace) -> dict[str, Any]:
             sampler.stop()
             systems["server"]["peak_rss_mb"] = sampler.peak_bytes / 2**20
     return _results(args, settings, systems, args.model, weights)
+
+
+def bench_workload(args: argparse.Namespace) -> dict[str, Any]:
+    """A --workload run (workload_run.py): tokenmill with speculation and without, and llama-server likewise."""
+    if args.url:
+        raise ValueError("--workload starts its own servers: it excludes --url")
+    settings = workload_run.workload_settings(args, load_settings(args))
+    model_file = args.model or _packaged_gguf()
+    args.model = model_file
+    run = workload_run.run_workload(args, settings, args.rounds or 2, args.start_timeout)
+    peers = {}
+    if args.compare:
+        binary = str(ensure_llama_server(args.llama_server_dir, args.llama_server_version))
+        peers["llama-server"] = _peer_build(args, ServerSpec("llama-server", (binary,), 0, "/health"))
+    results = _results(args, run["settings"], run["systems"], model_file, model_file, peers)
+    chosen = workloads.workload(args.workload)
+    results["meta"]["workload"] = {
+        "name": chosen.name,
+        "prompts": len(chosen.prompts),
+        "sources": list(chosen.sources),
+        "speculative": args.speculative,
+        "llama_lookup_args": args.llama_lookup_args if args.compare else None,
+        "agreement": run["agreement"],
+        "speculation": run["speculation"],
+    }
+    return results
 
 
 def bench_managed(args: argparse.Namespace) -> dict[str, Any]:
@@ -316,7 +349,13 @@ def _interleave(
             _progress(f"round {r + 1}/{rounds}: transformers {dtype} (in a subprocess)")
             try:
                 figures = hf_baseline.run_in_subprocess(
-                    dtype, model_file, cache_dir, args.max_tokens, args.hf_batch, args.single_runs, timeout_s=1800
+                    dtype,
+                    model_file,
+                    cache_dir,
+                    args.max_tokens,
+                    args.hf_batch,
+                    args.single_runs or SINGLE_RUNS,
+                    timeout_s=1800,
                 )
             except (RuntimeError, subprocess.TimeoutExpired) as exc:  # the servers' figures still stand
                 _progress(f"transformers {dtype} left out: {exc}")

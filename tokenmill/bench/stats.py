@@ -21,6 +21,7 @@ class RequestResult:
     tokens_exact: bool  # from `usage` or a "length" finish; False: counted from stream chunks
     finish_reason: str | None
     error: str | None = None
+    text_digest: str | None = None  # of the whole text streamed: tells whether two servers answered alike
 
     @property
     def decode_tok_s(self) -> float | None:
@@ -75,6 +76,7 @@ def summarize_single(results: Sequence[RequestResult]) -> dict[str, Any]:
         "failed": len(results) - len(done),
         "early_stops": sum(1 for r in done if r.finish_reason == "stop"),
         "completion_tokens": [r.completion_tokens for r in done],
+        "digests": [r.text_digest for r in results],
         "decode_tok_s": statistics.median(rates) if rates else None,
         "ttft_s": statistics.median(ttfts) if ttfts else None,
     }

@@ -1,0 +1,144 @@
+"""`tokenmill bench --workload edit|free|score`: speculative decoding side by side with none, on one workload.
+
+tokenmill runs twice, with speculation (`--speculative`, ngram unless told) and without; with `--compare`, llama.cpp's
+llama-server runs twice too, with its own lookup decoding (`--llama-lookup-args`) and without. Every system takes the
+workload's prompts (workloads.py) as the standard run takes its own: the single stream over each prompt in turn, then
+each concurrency level, round after round, one server at a time. The two tokenmill servers must answer alike (greedy
+decoding is exact with speculation): the run compares their texts request by request and reports how many matched,
+and reads the speculating server's acceptance from its /stats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from tokenmill.bench import load
+from tokenmill.bench.llama_server import ensure_llama_server, llama_server_spec
+from tokenmill.bench.load import LoadSettings
+from tokenmill.bench.servers import ManagedServer, ServerSpec, free_port, tokenmill_spec
+from tokenmill.bench.workloads import workload
+
+DEFAULT_CONCURRENCY = (16,)  # the single stream is always run; the issue of many clients is the 16-client level
+SPEC_KEYS = ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")
+
+
+def systems_for(args: argparse.Namespace, model_file: str | None, cache_dir: str | None) -> list[ServerSpec]:
+    """The servers of a workload run, the speculating tokenmill first (the ratios divide its figures)."""
+    extra = shlex.split(args.tokenmill_args)
+    method = args.speculative
+    specs = [
+        _named(
+            tokenmill_spec(free_port(), args.model, [*extra, "--speculative", method], cache_dir), f"tokenmill+{method}"
+        ),
+        tokenmill_spec(free_port(), args.model, [*extra, "--speculative", "off"], cache_dir),
+    ]
+    if args.compare:
+        if model_file is None:
+            raise ValueError("--compare needs a GGUF file for llama-server")
+        binary = str(ensure_llama_server(args.llama_server_dir, args.llama_server_version))
+        peer_extra = shlex.split(args.llama_server_args)
+        lookup = [*peer_extra, *shlex.split(args.llama_lookup_args)]
+        slots, ctx, threads = args.llama_server_slots, args.llama_server_ctx, args.peer_threads
+        specs += [
+            _named(
+                llama_server_spec(binary, free_port(), model_file, threads, slots, ctx, lookup), "llama-server+lookup"
+            ),
+            llama_server_spec(binary, free_port(), model_file, threads, slots, ctx, peer_extra),
+        ]
+    return specs
+
+
+def workload_settings(args: argparse.Namespace, settings: LoadSettings) -> LoadSettings:
+    """The workload's prompts; every prompt once in the single stream unless --single-runs says otherwise; no
+    prefill timings (the standard run has them)."""
+    prompts = workload(args.workload).prompts
+    single_runs = args.single_runs or len(prompts)
+    concurrency = tuple(args.concurrency or DEFAULT_CONCURRENCY)
+    return dataclasses.replace(
+        settings, prompts=prompts, single_runs=single_runs, concurrency=concurrency, prefill_tokens=()
+    )
+
+
+def run_workload(args: argparse.Namespace, settings: LoadSettings, rounds: int, start_timeout: float) -> dict[str, Any]:
+    """Start every system, run the rounds, and gather each pass, the acceptance and the answers' agreement."""
+    model_file = args.model
+    systems: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="tokenmill-bench-") as tmp:
+        servers = [ManagedServer(spec, Path(tmp)) for spec in systems_for(args, model_file, args.cache_dir)]
+        try:
+            for server in servers:
+                _progress(f"starting {server.spec.name}: {shlex.join(server.spec.argv)}")
+                server.start(start_timeout)
+                systems[server.spec.name] = {"passes": []}
+            if settings.eos_ids is None:
+                settings = dataclasses.replace(settings, eos_ids=_eos_ids(servers[0].url, settings))
+            for r in range(rounds):
+                for server in servers:
+                    _progress(f"round {r + 1}/{rounds}: {server.spec.name} on the {args.workload} workload")
+                    systems[server.spec.name]["passes"].append(load.run(load.bench_url(server.url, settings)))
+            speculation = load.run(_spec_stats(servers[0].url, settings))
+        finally:
+            for server in servers:
+                server.stop()
+                if server.spec.name in systems:
+                    systems[server.spec.name]["peak_rss_mb"] = server.peak_rss_mb
+    names = list(systems)
+    return {
+        "settings": settings,
+        "systems": systems,
+        "speculation": speculation,
+        "agreement": agreement(systems[names[0]]["passes"], systems[names[1]]["passes"]),
+    }
+
+
+def agreement(first: list[dict[str, Any]], second: list[dict[str, Any]]) -> dict[str, int]:
+    """Of the requests both systems answered in the same place of the same pass, how many had the same text."""
+    compared = same = 0
+    for a, b in zip(first, second):
+        pairs = list(zip(a["single"]["digests"], b["single"]["digests"]))
+        for level_a, level_b in zip(a["levels"], b["levels"]):
+            pairs += zip(level_a["digests"], level_b["digests"])
+        for x, y in pairs:
+            if x is not None and y is not None:
+                compared += 1
+                same += x == y
+    return {"compared": compared, "identical": same}
+
+
+async def _spec_stats(url: str, settings: LoadSettings) -> dict[str, Any]:
+    async with load.make_client(settings) as client:
+        try:
+            async with client.get(f"{url}/stats", allow_redirects=False) as response:
+                stats = await response.json(content_type=None) if response.status == 200 else {}
+        except aiohttp.ClientError:
+            stats = {}
+    figures: dict[str, Any] = {key: stats.get(key) for key in SPEC_KEYS}
+    drafted, kept = figures["spec_draft_tokens"], figures["spec_accepted_tokens"]
+    figures["acceptance"] = kept / drafted if drafted else None
+    figures["accepted_per_position"] = stats.get("spec_accepted_per_position")
+    return figures
+
+
+def _eos_ids(url: str, settings: LoadSettings) -> tuple[int, ...]:
+    async def ask() -> tuple[int, ...]:
+        async with load.make_client(settings) as client:
+            return (await load.discover(client, url))[1] or ()
+
+    return load.run(ask())
+
+
+def _named(spec: ServerSpec, name: str) -> ServerSpec:
+    return dataclasses.replace(spec, name=name)
+
+
+def _progress(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
