@@ -22,7 +22,16 @@ LOOPBACK_ORIGINS = ("http://localhost:*", "http://127.0.0.1:*", "http://[::1]:*"
 DTYPES = ("float32", "bfloat16")
 QUANTIZATIONS = ("none", "gguf", "int8", "int4")
 LOG_FORMATS = ("text", "json")
-SPECULATIVE_METHODS = ("off", "ngram")  # engine/speculation.py
+SPECULATIVE_METHODS = ("off", "ngram", "suffix")  # engine/speculation.py
+# --speculative-config's keys beyond the two flags: the lookup's n-gram lengths (vLLM's names), and the shared store's
+# (suffix): its size in tokens, a corpus file read into it at start, and vLLM's least share of a drafted token
+SPECULATIVE_KEYS = (
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "suffix_store_tokens",
+    "suffix_corpus",
+    "suffix_decoding_min_token_prob",
+)
 RATE_PERIODS_S = {"s": 1.0, "min": 60.0, "h": 3600.0}  # the units a rate limit may be given in: N/s, N/min, N/h
 RATE_LIMITS = ("rate_limit_requests", "rate_limit_tokens", "rate_limit_user_requests", "rate_limit_user_tokens")
 ENV_HELP = (
@@ -89,14 +98,18 @@ class Config:
     speculative: str = _opt(
         "off",
         "draftless speculative decoding: ngram guesses a stream's next tokens from text it has seen (prompt"
-        " lookup) and the model checks them in the step that computes its next token (the same tokens, more a step)",
+        " lookup) and the model checks them in the step that computes its next token (the same tokens, more a step);"
+        " suffix also from the finished requests of the same API key",
         choices=SPECULATIVE_METHODS,
     )
     num_speculative_tokens: int = _opt(4, "most guessed tokens a stream's step checks (--speculative)")
     speculative_config: str | None = _opt(
         None,
         "vLLM's form, a JSON object over the two flags above: method, num_speculative_tokens, prompt_lookup_min and"
-        " prompt_lookup_max (the shortest and longest run of last tokens looked up; default 2 and 4)",
+        " prompt_lookup_max (the shortest and longest run of last tokens looked up; default 2 and 4); for suffix,"
+        " suffix_store_tokens (tokens kept, all keys together; default 250000), suffix_corpus (a text file read"
+        " into it for every key) and suffix_decoding_min_token_prob (a drafted token's least share of the matches;"
+        " default 0.5)",
     )
     greedy_head: bool = _opt(
         True,
@@ -226,12 +239,10 @@ class Config:
                 raise ConfigError(f"speculative_config is not JSON: {exc}") from None
             if not isinstance(given, dict):
                 raise ConfigError("speculative_config must be a JSON object")
-            unknown = sorted(set(given) - {*settings, "prompt_lookup_min", "prompt_lookup_max"})
+            unknown = sorted(set(given) - {*settings, *SPECULATIVE_KEYS})
             if unknown:
-                raise ConfigError(
-                    f"speculative_config: {', '.join(unknown)} not supported (method, num_speculative_tokens,"
-                    " prompt_lookup_min and prompt_lookup_max are)"
-                )
+                known = ", ".join([*settings, *SPECULATIVE_KEYS])
+                raise ConfigError(f"speculative_config: {', '.join(unknown)} not supported ({known} are)")
             settings.update(given)
         longest = settings.setdefault("prompt_lookup_max", 4)
         settings.setdefault("prompt_lookup_min", min(2, longest) if isinstance(longest, int) else 2)
@@ -242,6 +253,15 @@ class Config:
             raise ConfigError("num_speculative_tokens, prompt_lookup_min and prompt_lookup_max must be at least 1")
         if settings["prompt_lookup_min"] > settings["prompt_lookup_max"]:
             raise ConfigError("prompt_lookup_min must not be above prompt_lookup_max")
+        size = settings.setdefault("suffix_store_tokens", 250_000)
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ConfigError("suffix_store_tokens must be a whole number of tokens, at least 0")
+        share = settings.setdefault("suffix_decoding_min_token_prob", 0.5)
+        if not isinstance(share, int | float) or isinstance(share, bool) or not 0 <= share <= 1:
+            raise ConfigError("suffix_decoding_min_token_prob must be a number from 0 to 1")
+        corpus = settings.setdefault("suffix_corpus", None)
+        if corpus is not None and (not isinstance(corpus, str) or not os.path.isfile(corpus)):
+            raise ConfigError(f"suffix_corpus must name a text file, got {corpus!r}")
         return settings
 
     def _check_replicas(self) -> None:

@@ -149,6 +149,30 @@ def test_speculation_counters_are_the_engines() -> None:
     )
 
 
+def test_the_suffix_store_is_per_api_key_and_its_memory_is_a_gauge() -> None:
+    """A key's second request is drafted from its first; another key's same request is not."""
+    engine = AsyncEngine(tiny_core(speculative="suffix"), TINY_MODEL, "fp_tiny")
+    payload = {"model": TINY_MODEL, "prompt": "the quick brown fox", "max_tokens": 30, "temperature": 0}
+    payload["logit_bias"] = NO_EOS
+
+    def kept_by(client: TestClient, key: str) -> int:
+        before = client.get("/stats", headers={"Authorization": f"Bearer {key}"}).json()["spec_accepted_tokens"]
+        response = client.post("/v1/completions", json=payload, headers={"Authorization": f"Bearer {key}"})
+        assert response.status_code == 200, response.text
+        return (
+            int(client.get("/stats", headers={"Authorization": f"Bearer {key}"}).json()["spec_accepted_tokens"])
+            - before
+        )
+
+    with TestClient(create_app([engine], Config(api_key=("one", "two")))) as client:
+        kept_by(client, "one")
+        other, same = kept_by(client, "two"), kept_by(client, "one")
+        stats = client.get("/stats", headers={"Authorization": "Bearer one"}).json()
+        samples = parse(client.get("/metrics", headers={"Authorization": "Bearer one"}).text)
+    assert same > other
+    assert value(samples, "tokenmill_spec_decode_store_bytes", model=TINY_MODEL) == stats["spec_store_bytes"] > 0
+
+
 @pytest.mark.parametrize(
     ("config", "probe", "reason", "other"),
     [

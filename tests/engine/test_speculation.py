@@ -3,6 +3,8 @@ that computes its next token. A greedy request's tokens, text, logprobs and fini
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -171,6 +173,10 @@ def test_vllms_speculative_config_sets_the_lookup() -> None:
         ('{"method": "ngram", "model": "draft.gguf"}', "model"),
         ('{"prompt_lookup_min": 5, "prompt_lookup_max": 3}', "prompt_lookup_min"),
         ('{"num_speculative_tokens": 0}', "num_speculative_tokens"),
+        ('{"method": "suffix", "suffix_store_tokens": -1}', "suffix_store_tokens"),
+        ('{"method": "suffix", "suffix_decoding_min_token_prob": 1.5}', "suffix_decoding_min_token_prob"),
+        ('{"method": "suffix", "suffix_corpus": "/no/such/file"}', "suffix_corpus"),
+        ('{"method": "suffix", "suffix_decoding_max_cached_requests": 10}', "suffix_decoding_max_cached_requests"),
         ('["ngram"]', "JSON object"),
         ("{ngram", "not JSON"),
     ],
@@ -178,3 +184,59 @@ def test_vllms_speculative_config_sets_the_lookup() -> None:
 def test_a_speculative_config_it_cannot_honour_is_refused_by_name(given: str, named: str) -> None:
     with pytest.raises(ConfigError, match=named):
         Config(speculative_config=given)
+
+
+# a prompt that does not repeat itself, so that a sequence's own lookup has little to draft from
+FRESH = "the quick brown fox jumps over the lazy dog"
+ASKED = SamplingParams(max_tokens=40, temperature=0.0, logit_bias=EOS_BANNED)
+
+
+def ask(core: EngineCore, name: str, prompt: str, tenant: str = "anonymous") -> dict[int, dict[str, Any]]:
+    params = dataclasses.replace(ASKED, tenant=tenant)
+    core.add_request(name, TOK.encode(prompt), params)
+    return choices(run_all(core)[name])
+
+
+def kept(core: EngineCore) -> int:
+    return core.snapshot_stats().spec_accepted_tokens
+
+
+def test_the_suffix_store_drafts_a_repeated_request_from_the_first_and_changes_nothing() -> None:
+    plain, own, shared = tiny_core(), tiny_core(speculative="ngram"), tiny_core(speculative="suffix")
+    first = ask(plain, "a", FRESH)
+    assert ask(own, "a", FRESH) == ask(shared, "a", FRESH) == first
+    own_first, shared_first = kept(own), kept(shared)
+    assert ask(own, "b", FRESH) == ask(shared, "b", FRESH) == first
+    assert kept(shared) - shared_first > kept(own) - own_first  # the store had the first request's output
+    st = shared.snapshot_stats()
+    assert st.spec_store_tokens == len(TOK.encode(FRESH)) + 40  # identical documents are kept once
+    assert st.spec_store_bytes > 0 and own.snapshot_stats().spec_store_bytes == 0
+
+
+def test_the_suffix_store_keeps_each_tenant_s_text_from_the_others() -> None:
+    core = tiny_core(speculative="suffix")
+    ask(core, "a", FRESH, tenant="key-one")
+    before = kept(core)
+    ask(core, "b", FRESH, tenant="key-two")
+    other = kept(core) - before
+    before = kept(core)
+    ask(core, "c", FRESH, tenant="key-one")
+    assert kept(core) - before > other
+
+
+def test_the_suffix_store_stays_within_its_tokens() -> None:
+    core = tiny_core(speculative_config='{"method": "suffix", "suffix_store_tokens": 60}')
+    for i in range(4):
+        ask(core, f"r{i}", f"{i} {FRESH}")
+    assert 0 < core.snapshot_stats().spec_store_tokens <= 60
+
+
+def test_a_corpus_file_drafts_for_every_tenant(tmp_path: Path) -> None:
+    plain = tiny_core()
+    answer = ask(plain, "a", FRESH)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(FRESH + answer[0]["text"])
+    given = json.dumps({"method": "suffix", "suffix_corpus": str(corpus)})
+    with_corpus, without = tiny_core(speculative_config=given), tiny_core(speculative="suffix")
+    assert ask(with_corpus, "a", FRESH, tenant="anyone") == ask(without, "a", FRESH, tenant="anyone") == answer
+    assert kept(with_corpus) > kept(without)

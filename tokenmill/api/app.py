@@ -179,7 +179,9 @@ async def _complete(request: Request, quota: Quota, arrived: float) -> Response:
     bos = state.config.add_bos_to_token_prompts
 
     def prepared() -> Completion:
-        return Completion(body, engine, limits, state.content_filter, arrived_at=arrived, bos_before_ids=bos)
+        return Completion(
+            body, engine, limits, state.content_filter, arrived_at=arrived, bos_before_ids=bos, tenant=quota.key
+        )
 
     completion = await asyncio.to_thread(prepared)  # tokenising and the grammar's check, off the event loop
     quota.acquire(completion.token_budget)

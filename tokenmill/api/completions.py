@@ -64,6 +64,7 @@ class Completion:
         content_filter: ContentFilter | None = None,
         arrived_at: float | None = None,
         bos_before_ids: bool = False,
+        tenant: str | None = None,
     ) -> None:
         self.arrived_at = time.monotonic() if arrived_at is None else arrived_at  # when the request came in
         self.admitted_at: float | None = None  # set by whoever admits it (the app)
@@ -75,6 +76,8 @@ class Completion:
         self.params = request.to_sampling_params()
         if content_filter is not None:
             self.params = dataclasses.replace(self.params, content_filter=content_filter)
+        if tenant is not None:
+            self.params = dataclasses.replace(self.params, tenant=tenant)
         if request.suffix and engine.tokenizer.supports_fim:  # a filled-in middle ends at the model's end tokens
             ends = self.params.stop_token_ids + engine.tokenizer.fim_end_ids
             self.params = dataclasses.replace(self.params, stop_token_ids=ends)

@@ -184,6 +184,7 @@ class EngineStatsCollector:
         ("tokenmill_running_sequences", "Sequences in the running batch", "num_running"),
         ("tokenmill_waiting_sequences", "Sequences waiting to be scheduled", "num_waiting"),
         ("tokenmill_kv_blocks_used", "KV-cache blocks in use", "num_used_blocks"),
+        ("tokenmill_spec_decode_store_bytes", "Memory of the speculative suffix store", "spec_store_bytes"),
     )
     # speculative decoding, by vLLM's names (engine/speculation.py)
     SPEC_COUNTERS = (

@@ -26,7 +26,7 @@ from tokenmill.engine.sampler import Sampled, SampleInput
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.engine.scheduler import Scheduled, Scheduler
 from tokenmill.engine.sequence import Sequence
-from tokenmill.engine.speculation import DraftState, SpeculativeConfig, propose
+from tokenmill.engine.speculation import DraftState, SpeculativeConfig, propose, shared_store
 from tokenmill.model.causal_lm import HeadSummary
 from tokenmill.tokenizer import Tokenizer
 
@@ -50,6 +50,8 @@ class EngineStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = field(default_factory=list)
+    spec_store_tokens: int = 0  # tokens in the shared suffix store (method "suffix"; not counters)
+    spec_store_bytes: int = 0  # the memory they and their index take
 
 
 class EngineCore:
@@ -71,6 +73,7 @@ class EngineCore:
         self.max_model_len = max_model_len
         self.speculative = speculative or SpeculativeConfig()
         self._drafts: dict[int, list[int]] = {}  # this step's drafts: seq_id → its guessed tokens
+        self.store = shared_store(self.speculative, tokenizer)  # finished sequences' tokens, per tenant
         self.requests: dict[str, RequestState] = {}
         self.stats = EngineStats(weight_bytes_per_token=runner.model.weight_bytes_per_token())
         self._token_texts: dict[int, str] = {}
@@ -296,6 +299,8 @@ class EngineCore:
                 self.max_model_len - seq.num_tokens - 1,
             )
             draft = propose(seq.token_ids, state, room, spec.min_ngram, spec.max_ngram)
+            if not draft and self.store is not None:
+                draft = self.store.propose(seq.params.tenant, seq.token_ids, room)
             if not draft or not self.scheduler.reserve_free(seq, seq.num_tokens + len(draft)):
                 continue
             s.draft, s.num_tokens = draft, 1 + len(draft)
@@ -359,6 +364,8 @@ class EngineCore:
             reason, seq.stop_reason = FinishReason.CONTENT_FILTER, None
         self.scheduler.finish(seq)
         seq.finish(reason)
+        if self.store is not None and seq.num_output_tokens:
+            self.store.add(seq.params.tenant, seq.token_ids)
 
     def _finish_without_output(self, parent: Sequence) -> None:
         """max_tokens == 0: every choice ends at once with no tokens (the prompt may still have been scored)."""
@@ -452,6 +459,8 @@ class EngineCore:
         st.num_used_blocks = self.blocks.num_used
         st.num_free_blocks = self.blocks.num_free
         st.num_preemptions = self.scheduler.num_preemptions
+        if self.store is not None:
+            st.spec_store_tokens, st.spec_store_bytes = self.store.tokens, self.store.nbytes()
         return EngineStats(**{**vars(st), "spec_accepted_per_position": list(st.spec_accepted_per_position)})
 
 

@@ -60,6 +60,9 @@ class SamplingParams:
     # Sequences with the same key share one fair turn in the scheduler (the edge gives each HTTP request its own, so
     # all its prompts and choices are one); None: this engine request alone.
     fairness_key: str | None = None
+    # Whose earlier requests a speculative draft may come from (the shared suffix store: engine/suffix_store.py): the
+    # hash of the API key the request came with; every request of a server without keys is "anonymous".
+    tenant: str = "anonymous"
     # What the sampler derives from these fields once for every sequence that samples with them (allowed_token_ids
     # as a vocabulary mask): not a setting, and a replace() starts it empty.
     derived: dict[str, object] = field(default_factory=dict, init=False, repr=False, compare=False)

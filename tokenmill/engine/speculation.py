@@ -17,11 +17,21 @@ small; a wrong draft costs the extra rows (and, for a lone greedy row, the LM he
 drafts are made only in steps of at most `max_rows` decode rows and no prompt chunk, a step's rows share at most
 `step_tokens` draft tokens, and a sequence whose draft missed entirely waits before its next, twice as long after each
 miss in a row (docs/decisions/0037-draftless-speculation.md has the measurements).
+
+Method `suffix` adds a store shared by the requests of a tenant (suffix_store.py): the tokens of every finished
+sequence are kept, bounded and least recently used first out, and a sequence whose own tokens give no draft gets one
+from the text that followed its last tokens in its tenant's earlier requests (or in the operator's corpus file).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenmill.engine.suffix_store import PUBLIC, SuffixStore
+from tokenmill.tokenizer import Tokenizer
+
+CORPUS_DOCUMENT = 2048  # tokens of a corpus file each document of the store takes: a lookup draws within one
 
 MAX_PAUSE = 32  # steps a sequence waits for its next draft after misses in a row, at most
 
@@ -34,6 +44,14 @@ class SpeculativeConfig:
     max_ngram: int = 4
     max_rows: int = 4  # drafts only in steps of at most this many decode rows
     step_tokens: int = 8  # draft tokens in one step, at most: shared between its rows
+    # method "suffix": where a sequence's own tokens give no draft, the finished requests of its tenant may
+    store_tokens: int = 250_000  # tokens the shared store keeps, all tenants together (suffix_store.py)
+    min_share: float = 0.5  # a store draft goes on while its token follows in this share of the matches, at least
+    corpus: str | None = None  # a text file read into the store at start, for every tenant
+
+    @property
+    def shared(self) -> bool:
+        return self.enabled and self.method == "suffix"
 
     @property
     def enabled(self) -> bool:
@@ -84,3 +102,15 @@ def propose(tokens: list[int], state: DraftState, k: int, min_n: int, max_n: int
     if best_n < min_n:
         return []
     return tokens[best_at + 1 : best_at + 1 + k]
+
+
+def shared_store(config: SpeculativeConfig, tokenizer: Tokenizer) -> SuffixStore | None:
+    """The store of method "suffix", with the corpus file's text in it for every tenant; None for other methods."""
+    if not config.shared:
+        return None
+    store = SuffixStore(config.store_tokens, config.min_ngram, config.max_ngram, min_share=config.min_share)
+    if config.corpus is not None:
+        ids = tokenizer.encode(Path(config.corpus).read_text(encoding="utf-8"), add_special_tokens=False)
+        for start in range(0, len(ids), CORPUS_DOCUMENT):
+            store.add(PUBLIC, ids[start : start + CORPUS_DOCUMENT])
+    return store

@@ -35,5 +35,8 @@ def build_engine_core(model: CausalLM, tokenizer: Tokenizer, config: Config) -> 
         num_tokens=spec["num_speculative_tokens"],
         min_ngram=spec["prompt_lookup_min"],
         max_ngram=spec["prompt_lookup_max"],
+        store_tokens=spec["suffix_store_tokens"],
+        min_share=float(spec["suffix_decoding_min_token_prob"]),
+        corpus=spec["suffix_corpus"],
     )
     return EngineCore(runner, tokenizer, blocks, scheduler, set(tokenizer.eos_ids), max_model_len, speculative)
