@@ -191,6 +191,7 @@ class EngineStatsCollector:
         ("tokenmill_spec_decode_num_drafts", "Drafts checked", "spec_drafts"),
         ("tokenmill_spec_decode_num_draft_tokens", "Draft tokens checked", "spec_draft_tokens"),
         ("tokenmill_spec_decode_num_accepted_tokens", "Draft tokens kept", "spec_accepted_tokens"),
+        ("tokenmill_spec_decode_num_store_drafts", "Drafts from the shared suffix store", "spec_store_drafts"),
     )
 
     def __init__(self, engines: Mapping[str, Engine]) -> None:

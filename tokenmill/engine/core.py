@@ -26,7 +26,7 @@ from tokenmill.engine.sampler import Sampled, SampleInput
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.engine.scheduler import Scheduled, Scheduler
 from tokenmill.engine.sequence import Sequence
-from tokenmill.engine.speculation import DraftState, SpeculativeConfig, propose, shared_store
+from tokenmill.engine.speculation import DraftState, SpeculativeConfig, StepCost, plan, propose, shared_store
 from tokenmill.model.causal_lm import HeadSummary
 from tokenmill.tokenizer import Tokenizer
 
@@ -50,6 +50,7 @@ class EngineStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = field(default_factory=list)
+    spec_store_drafts: int = 0  # of spec_drafts, those from the shared suffix store (method "suffix")
     spec_store_tokens: int = 0  # tokens in the shared suffix store (method "suffix"; not counters)
     spec_store_bytes: int = 0  # the memory they and their index take
 
@@ -74,6 +75,8 @@ class EngineCore:
         self.speculative = speculative or SpeculativeConfig()
         self._drafts: dict[int, list[int]] = {}  # this step's drafts: seq_id → its guessed tokens
         self.store = shared_store(self.speculative, tokenizer)  # finished sequences' tokens, per tenant
+        self.step_cost = StepCost(self.speculative.fixed_rows)  # what a decode step's rows cost: sizes the drafts
+        self._recent = DraftState()  # every sequence's drafts together: a new sequence's first rate of kept tokens
         self.requests: dict[str, RequestState] = {}
         self.stats = EngineStats(weight_bytes_per_token=runner.model.weight_bytes_per_token())
         self._token_texts: dict[int, str] = {}
@@ -128,12 +131,16 @@ class EngineCore:
         started = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch:
-            self._drafts = self._draft(batch) if self.speculative.enabled else {}
+            decoding = self.speculative.enabled and all(_decode_row(s) for s in batch)
+            self._drafts = self._draft(batch) if decoding else {}
             hidden = self._forward(batch)
             if hidden is not None:
                 self._postprocess(batch, hidden)
             self._count(batch)
-            self._report(batch, time.perf_counter() - started)
+            duration_s = time.perf_counter() - started
+            if decoding:
+                self.step_cost.observe(sum(s.num_tokens for s in batch), duration_s)
+            self._report(batch, duration_s)
         failed, self._failed = self._failed, []
         return failed + self._collect_outputs()
 
@@ -239,6 +246,7 @@ class EngineCore:
                 st.spec_accepted_per_position[position] += 1
             if seq.drafts is not None:
                 seq.drafts.settle(len(draft), accepted)
+            self._recent.settle(len(draft), accepted)
 
     def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor, summary: HeadSummary | None) -> None:
         """One token for each sequence from its row of `logits` (and of the head's summary, where it has one)."""
@@ -275,25 +283,32 @@ class EngineCore:
                 self.fail(seq.request_id, _describe(exc))
 
     def _draft(self, batch: list[Scheduled]) -> dict[int, list[int]]:
-        """Drafts for the step's decode rows (speculation.py), where the step is decode rows alone and few; each
-        row's scheduled tokens grow by its draft, within the step's token budget and free KV blocks."""
+        """Drafts for a step of decode rows (speculation.py), as long as the step's cost says they pay (plan); each
+        row's scheduled tokens grow by its draft, within the step's token budget and free KV blocks. A draft cannot
+        change a sequence's tokens: they are sampled one by one through the same code, a sampled sequence's from its
+        own generator, one draw per token in order as without a draft, so bias, bans, penalties, logprobs, stops and
+        seeds behave as without."""
         spec = self.speculative
-        if len(batch) > spec.max_rows or any(not self._may_draft(s) for s in batch):
-            return {}
+        if any(s.seq.guided is not None for s in batch):
+            return {}  # a grammar's masks are computed a token at a time, ahead of the step
         if len(batch) > 1 and not all(s.seq.params.greedy for s in batch):
             return {}  # sampling a row costs more than its pass: several drafting sampled rows lost (decision 0037)
+        states = [s.seq.drafts or DraftState.starting(self._recent.rate) for s in batch]
+        fixed_rows = self.step_cost.fixed_rows
+        if max(state.rate for state in states) <= len(batch) / (fixed_rows + len(batch)):
+            return {}  # not even the likeliest first draft token would pay (plan): no lookups
         budget = min(self.scheduler.max_num_batched_tokens - len(batch), spec.step_tokens)
-        share = max(1, spec.step_tokens // len(batch))  # each row's part of the step's draft tokens
-        drafts: dict[int, list[int]] = {}
-        for s in batch:
+        proposals: list[list[int]] = []
+        stored: set[int] = set()  # the sequences whose proposal is the store's
+        for s, state in zip(batch, states):
             seq = s.seq
-            state = seq.drafts = seq.drafts or DraftState()
+            seq.drafts = state
             if state.pause:
                 state.pause -= 1
+                proposals.append([])
                 continue
             room = min(
                 spec.num_tokens,
-                share,
                 budget,
                 seq.params.max_tokens - seq.num_output_tokens - 1,  # the tokens a step may emit: the draft's + 1
                 self.max_model_len - seq.num_tokens - 1,
@@ -301,24 +316,18 @@ class EngineCore:
             draft = propose(seq.token_ids, state, room, spec.min_ngram, spec.max_ngram)
             if not draft and self.store is not None:
                 draft = self.store.propose(seq.params.tenant, seq.token_ids, room)
+                stored.add(seq.seq_id)
+            proposals.append(draft)
+        taken = plan([state.rate for state in states], [len(p) for p in proposals], fixed_rows, budget)
+        drafts: dict[int, list[int]] = {}
+        for s, proposal, n in zip(batch, proposals, taken):
+            draft, seq = proposal[:n], s.seq
             if not draft or not self.scheduler.reserve_free(seq, seq.num_tokens + len(draft)):
                 continue
             s.draft, s.num_tokens = draft, 1 + len(draft)
-            budget -= len(draft)
             drafts[seq.seq_id] = draft
+            self.stats.spec_store_drafts += seq.seq_id in stored
         return drafts
-
-    def _may_draft(self, s: Scheduled) -> bool:
-        """A decode row of a sequence without a grammar. A draft cannot change its tokens: they are sampled one by one
-        through the same code, a sampled sequence's from its own generator, one draw per token in order as without
-        a draft, so bias, bans, penalties, logprobs, stops and seeds behave as without."""
-        seq = s.seq
-        return (
-            s.num_tokens == 1
-            and seq.num_computed_tokens + 1 == seq.num_tokens
-            and seq.num_computed_tokens >= seq.num_prompt_tokens
-            and seq.guided is None
-        )
 
     def _lone_greedy_keep(self, batch: list[Scheduled]) -> list[int] | None:
         """Where the step is one sequence's decode row, sampled alone and greedily from its argmax and a few ids:
@@ -462,6 +471,12 @@ class EngineCore:
         if self.store is not None:
             st.spec_store_tokens, st.spec_store_bytes = self.store.tokens, self.store.nbytes()
         return EngineStats(**{**vars(st), "spec_accepted_per_position": list(st.spec_accepted_per_position)})
+
+
+def _decode_row(s: Scheduled) -> bool:
+    """One new token of a sequence past its prompt: what a draft may follow."""
+    seq = s.seq
+    return s.num_tokens == 1 and seq.num_computed_tokens + 1 == seq.num_tokens >= seq.num_prompt_tokens + 1
 
 
 def _picked(summary: HeadSummary | None, rows: Iterable[int]) -> HeadSummary | None:

@@ -12,11 +12,15 @@ draft token is kept with the probability the model gives it (what the standard r
 one token for sure) and the draws are the same. So a sequence emits exactly the tokens, logprobs and text it emits
 without speculation, seed for seed, 1 to d + 1 of them a step.
 
-When it pays: a decode step on a CPU is bound by reading the weights, so a few more rows cost little while the batch is
-small; a wrong draft costs the extra rows (and, for a lone greedy row, the LM head's quick pass: gguf_greedy_row). So
-drafts are made only in steps of at most `max_rows` decode rows and no prompt chunk, a step's rows share at most
-`step_tokens` draft tokens, and a sequence whose draft missed entirely waits before its next, twice as long after each
-miss in a row (docs/decisions/0037-draftless-speculation.md has the measurements).
+When it pays: a decode step costs a fixed part (reading the weights, the Python around the kernels) and a part per row
+(the rows' arithmetic, above all the LM head's over the whole vocabulary), and a draft token is one more row that
+pays off only if it is kept. StepCost fits the two parts to the decode steps the engine has run, and plan() checks a
+draft token only where the chance that it is kept (the sequence's running rate of kept draft tokens, to the power of
+its place in the draft) is above the tokens per row's worth of time the step makes without it: many tokens while the
+fixed part dominates (a few rows), none once the rows' arithmetic does (many rows of a small model) or the drafts
+miss. A sequence whose draft missed entirely also waits before its next, twice as long after each miss in a row, and
+no draft is made in a step with a prompt chunk (docs/decisions/0037-draftless-speculation.md and
+0038-speculation-by-step-cost.md have the measurements).
 
 Method `suffix` adds a store shared by the requests of a tenant (suffix_store.py): the tokens of every finished
 sequence are kept, bounded and least recently used first out, and a sequence whose own tokens give no draft gets one
@@ -25,7 +29,9 @@ from the text that followed its last tokens in its tenant's earlier requests (or
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 
 from tokenmill.engine.suffix_store import PUBLIC, SuffixStore
@@ -34,6 +40,9 @@ from tokenmill.tokenizer import Tokenizer
 CORPUS_DOCUMENT = 2048  # tokens of a corpus file each document of the store takes: a lookup draws within one
 
 MAX_PAUSE = 32  # steps a sequence waits for its next draft after misses in a row, at most
+MAX_SCAN = 256  # earlier occurrences of a sequence's last token a lookup looks at, latest first
+FIRST_RATE, PRIOR_TOKENS = 0.75, 4.0  # a new sequence's rate of kept draft tokens, before its own drafts
+KEPT_DECAY = 0.9  # the weight of a sequence's earlier drafts in its rate of kept tokens falls by this a draft
 
 
 @dataclass(frozen=True)
@@ -42,8 +51,8 @@ class SpeculativeConfig:
     num_tokens: int = 4  # most draft tokens a row gets
     min_ngram: int = 2
     max_ngram: int = 4
-    max_rows: int = 4  # drafts only in steps of at most this many decode rows
-    step_tokens: int = 8  # draft tokens in one step, at most: shared between its rows
+    step_tokens: int = 16  # draft tokens in one step, at most
+    fixed_rows: float = 4.0  # a step's fixed part in rows' worth of time, until StepCost has measured it
     # method "suffix": where a sequence's own tokens give no draft, the finished requests of its tenant may
     store_tokens: int = 250_000  # tokens the shared store keeps, all tenants together (suffix_store.py)
     min_share: float = 0.5  # a store draft goes on while its token follows in this share of the matches, at least
@@ -66,6 +75,20 @@ class DraftState:
     indexed: int = 0  # tokens of the sequence in `positions`
     pause: int = 0  # steps to wait before the next draft
     misses: int = 0  # drafts in a row that kept nothing
+    # draft tokens kept, and tokens tried up to and including each draft's first miss, both decaying with each
+    # draft: their ratio is the chance the next draft token is kept (a kept run ends at the first miss). A new
+    # sequence starts from the engine's recent rate, hopefully: at least FIRST_RATE, worth PRIOR_TOKENS tokens tried
+    kept: float = 3.0
+    tried: float = 4.0
+
+    @classmethod
+    def starting(cls, recent: float) -> DraftState:
+        rate = max(recent, FIRST_RATE)
+        return cls(kept=rate * PRIOR_TOKENS, tried=PRIOR_TOKENS)
+
+    @property
+    def rate(self) -> float:
+        return self.kept / self.tried
 
     def index(self, tokens: list[int]) -> None:
         for at in range(self.indexed, len(tokens)):
@@ -74,6 +97,8 @@ class DraftState:
 
     def settle(self, drafted: int, accepted: int) -> None:
         """A draft of `drafted` tokens kept `accepted` of them."""
+        self.kept = KEPT_DECAY * self.kept + accepted
+        self.tried = KEPT_DECAY * self.tried + accepted + (accepted < drafted)
         if accepted:
             self.misses = 0
             return
@@ -81,25 +106,89 @@ class DraftState:
         self.pause = min(MAX_PAUSE, 1 << (self.misses - 1))
 
 
+@dataclass
+class StepCost:
+    """A decode step's seconds as a fixed part plus a part per row, fitted by least squares to the decode steps run
+    (each step's weight falling by `decay` a step, so the fit follows the machine's drift). Until the steps seen
+    differ enough in their rows to tell the parts apart, the prior ratio holds."""
+
+    prior_rows: float
+    decay: float = 0.995
+    n: float = 0.0  # the weighted sums of the fit: steps, rows, seconds, rows², rows × seconds
+    x: float = 0.0
+    y: float = 0.0
+    xx: float = 0.0
+    xy: float = 0.0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        d = self.decay
+        self.n, self.x, self.y = d * self.n + 1, d * self.x + rows, d * self.y + seconds
+        self.xx, self.xy = d * self.xx + rows * rows, d * self.xy + rows * seconds
+
+    @property
+    def fixed_rows(self) -> float:
+        """The fixed part in rows' worth of time: how many rows a step could add before it took twice as long."""
+        if self.n < 8:
+            return self.prior_rows
+        mean_x, mean_y = self.x / self.n, self.y / self.n
+        spread = self.xx / self.n - mean_x * mean_x
+        if spread < 0.5:  # the rows hardly varied: a slope fitted to them would be noise
+            return self.prior_rows
+        per_row = (self.xy / self.n - mean_x * mean_y) / spread
+        fixed = mean_y - per_row * mean_x
+        if per_row <= 0:
+            return MAX_FIXED_ROWS  # rows cost nothing measurable: the fixed part is all there is
+        return min(max(fixed / per_row, 0.0), MAX_FIXED_ROWS)
+
+
+MAX_FIXED_ROWS = 1000.0
+
+
+def plan(rates: list[float], lengths: list[int], fixed_rows: float, budget: int) -> list[int]:
+    """How many of each row's draft tokens to check (rows in the step without drafts: len(rates)).
+
+    The j-th token of a draft (j from 1) is kept with chance rate^j, as a kept run ends at its first miss. With F the
+    fixed part in rows and N the rows so far, a step making E tokens makes E / (F + N) per row's worth of time; one
+    more row making v tokens raises that exactly when v > E / (F + N). So tokens are added, likeliest first, while
+    that holds, at most `budget` of them."""
+    rows = emitted = float(len(rates))
+    taken = [0] * len(rates)
+    frontier = [(-rate, i) for i, rate in enumerate(rates) if lengths[i] > 0]
+    heapq.heapify(frontier)
+    while frontier and budget > 0:
+        value, i = heapq.heappop(frontier)
+        value = -value
+        if value <= emitted / (fixed_rows + rows):
+            break
+        taken[i] += 1
+        rows, emitted, budget = rows + 1, emitted + value, budget - 1
+        if taken[i] < lengths[i]:
+            heapq.heappush(frontier, (-value * rates[i], i))
+    return taken
+
+
 def propose(tokens: list[int], state: DraftState, k: int, min_n: int, max_n: int) -> list[int]:
     """Up to k tokens that followed the most recent earlier occurrence of the longest suffix of `tokens` (at least
-    min_n, at most max_n long) that occurred before; [] where none did."""
+    min_n, at most max_n long) that occurred before, preferring one with k tokens after it; [] where none did."""
     if k <= 0 or len(tokens) <= min_n:
         return []
     state.index(tokens)
     last = len(tokens) - 1
-    best_n, best_at = 0, -1
-    for at in reversed(state.positions.get(tokens[last], ())):
+    best, best_at = (0, 0), -1
+    for at in islice(reversed(state.positions.get(tokens[last], ())), MAX_SCAN):
         if at >= last:
             continue  # the suffix itself
         n = 1
         while n < max_n and at - n >= 0 and tokens[at - n] == tokens[last - n]:
             n += 1
-        if n > best_n:
-            best_n, best_at = n, at
-            if n == max_n:
+        # the longest match, then the one with the most of k tokens after it: in a run of one token repeated, the
+        # latest match has a single token after it, and one k tokens back has k
+        score = (n, min(k, last - at))
+        if score > best:
+            best, best_at = score, at
+            if score == (max_n, k):
                 break
-    if best_n < min_n:
+    if best[0] < min_n:
         return []
     return tokens[best_at + 1 : best_at + 1 + k]
 
