@@ -15,7 +15,9 @@ from tokenmill.config import SPECULATIVE_METHODS
 
 PEERS = ("llama-server", "llama-cpp-python")  # what --compare starts by default
 ALL_PEERS = (*PEERS, "ik-llama-server")  # ik-llama-server only when asked for: a binary built by hand
-LOOKUP_ARGS = "--spec-type ngram-simple"  # llama-server's lookup decoding in a --workload run
+LOOKUP_ARGS = (  # llama-server's lookup decoding in a --workload run: its best of the settings tried on the edit prompts
+    "--spec-type ngram-mod --spec-ngram-mod-n-match 8 --spec-ngram-mod-n-min 8 --spec-ngram-mod-n-max 16"
+)
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
