@@ -24,7 +24,7 @@ from tests.api.api_helpers import (
 )
 from tests.api.fake_engine import FakeEngine
 from tests.api.scrape import Samples, parse, scrape, value
-from tests.engine.tiny import tiny_core
+from tests.engine.tiny import drafting_core, tiny_core
 from tokenmill.api.app import create_app
 from tokenmill.config import Config
 from tokenmill.engine.engine import AsyncEngine
@@ -128,7 +128,7 @@ def test_each_model_has_its_own_series() -> None:
 
 
 def test_speculation_counters_are_the_engines() -> None:
-    engine = AsyncEngine(tiny_core(speculative="ngram"), TINY_MODEL, "fp_tiny")
+    engine = AsyncEngine(drafting_core(speculative="ngram"), TINY_MODEL, "fp_tiny")
     prompt = "abc abc abc abc abc abc abc abc"
     with TestClient(create_app([engine], Config())) as client:
         usage_of(client, {"prompt": prompt, "max_tokens": 30, "temperature": 0, "logit_bias": NO_EOS})
@@ -151,7 +151,7 @@ def test_speculation_counters_are_the_engines() -> None:
 
 def test_the_suffix_store_is_per_api_key_and_its_memory_is_a_gauge() -> None:
     """A key's second request is drafted from its first; another key's same request is not."""
-    engine = AsyncEngine(tiny_core(speculative="suffix"), TINY_MODEL, "fp_tiny")
+    engine = AsyncEngine(drafting_core(speculative="suffix"), TINY_MODEL, "fp_tiny")
     payload = {"model": TINY_MODEL, "prompt": "the quick brown fox", "max_tokens": 30, "temperature": 0}
     payload["logit_bias"] = NO_EOS
 

@@ -16,6 +16,7 @@ from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.engine.scheduler import Scheduled
 from tokenmill.engine.sequence import Sequence
+from tokenmill.engine.speculation import MAX_FIXED_ROWS, StepCost
 from tokenmill.model.gemma3 import Gemma3ForCausalLM
 from tokenmill.model.model_config import ModelConfig
 from tokenmill.server.engine_core import build_engine_core
@@ -101,6 +102,21 @@ def tiny_core(**overrides: object) -> EngineCore:
         }
     )  # type: ignore[arg-type]
     return build_engine_core(tiny_model(), ByteTokenizer(), config)  # type: ignore[arg-type]
+
+
+class FixedCost(StepCost):
+    """A step cost that never learns: its fixed part is the prior, whatever the steps took."""
+
+    def fixed_rows(self, rows: int) -> float:
+        return self.prior_rows
+
+
+def drafting_core(**overrides: object) -> EngineCore:
+    """tiny_core whose drafts are sized as if a step's rows cost nothing: which drafts it makes does not hang on how
+    fast this machine ran its steps (speculation.StepCost)."""
+    core = tiny_core(**overrides)
+    core.step_cost = FixedCost(MAX_FIXED_ROWS)
+    return core
 
 
 TOK = ByteTokenizer()

@@ -26,7 +26,17 @@ from tokenmill.engine.sampler import Sampled, SampleInput
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.engine.scheduler import Scheduled, Scheduler
 from tokenmill.engine.sequence import Sequence
-from tokenmill.engine.speculation import DraftState, SpeculativeConfig, StepCost, plan, propose, shared_store
+from tokenmill.engine.speculation import (
+    EXPLORE_EVERY,
+    MARGIN,
+    MAX_FIXED_ROWS,
+    DraftState,
+    SpeculativeConfig,
+    StepCost,
+    plan,
+    propose,
+    shared_store,
+)
 from tokenmill.model.causal_lm import HeadSummary
 from tokenmill.tokenizer import Tokenizer
 
@@ -294,8 +304,9 @@ class EngineCore:
         if len(batch) > 1 and not all(s.seq.params.greedy for s in batch):
             return {}  # sampling a row costs more than its pass: several drafting sampled rows lost (decision 0037)
         states = [s.seq.drafts or DraftState.starting(self._recent.rate) for s in batch]
-        fixed_rows = self.step_cost.fixed_rows
-        if max(state.rate for state in states) <= len(batch) / (fixed_rows + len(batch)):
+        fixed_rows = self.step_cost.fixed_rows(len(batch))
+        explore = self.stats.steps % EXPLORE_EVERY == 0
+        if not explore and max(state.rate for state in states) <= (1 + MARGIN) * len(batch) / (fixed_rows + len(batch)):
             return {}  # not even the likeliest first draft token would pay (plan): no lookups
         budget = min(self.scheduler.max_num_batched_tokens - len(batch), spec.step_tokens)
         proposals: list[list[int]] = []
@@ -318,7 +329,10 @@ class EngineCore:
                 draft = self.store.propose(seq.params.tenant, seq.token_ids, room)
                 stored.add(seq.seq_id)
             proposals.append(draft)
-        taken = plan([state.rate for state in states], [len(p) for p in proposals], fixed_rows, budget)
+        rates, lengths = [state.rate for state in states], [len(p) for p in proposals]
+        taken = plan(rates, lengths, fixed_rows, budget)
+        if explore and not any(taken):  # one token, so the step cost of one more row is measured again
+            taken = plan(rates, lengths, MAX_FIXED_ROWS, 1)
         drafts: dict[int, list[int]] = {}
         for s, proposal, n in zip(batch, proposals, taken):
             draft, seq = proposal[:n], s.seq

@@ -106,42 +106,49 @@ class DraftState:
         self.pause = min(MAX_PAUSE, 1 << (self.misses - 1))
 
 
-@dataclass
 class StepCost:
-    """A decode step's seconds as a fixed part plus a part per row, fitted by least squares to the decode steps run
-    (each step's weight falling by `decay` a step, so the fit follows the machine's drift). Until the steps seen
-    differ enough in their rows to tell the parts apart, the prior ratio holds."""
+    """What a decode step of n rows takes, per n: each row count's seconds, a running mean whose earlier steps weigh
+    less and less (the machine drifts). A step's time is flat in its rows while reading the weights bounds it and
+    grows with them once their arithmetic does, so the fixed part a draft is weighed against is fitted locally: a
+    line through the row counts from half to twice the step's, weighted by how often each was seen. Where fewer than
+    two of them were seen, small steps (up to the prior's rows) take the prior, and larger ones a fixed part of
+    none: no draft where nothing says it pays."""
 
-    prior_rows: float
-    decay: float = 0.995
-    n: float = 0.0  # the weighted sums of the fit: steps, rows, seconds, rows², rows × seconds
-    x: float = 0.0
-    y: float = 0.0
-    xx: float = 0.0
-    xy: float = 0.0
+    def __init__(self, prior_rows: float, decay: float = 0.98) -> None:
+        self.prior_rows = prior_rows
+        self.decay = decay
+        self.seconds: dict[int, float] = {}  # rows → the running mean of its steps' seconds
+        self.weight: dict[int, float] = {}  # rows → its steps' weight in that mean (decayed count)
 
     def observe(self, rows: int, seconds: float) -> None:
-        d = self.decay
-        self.n, self.x, self.y = d * self.n + 1, d * self.x + rows, d * self.y + seconds
-        self.xx, self.xy = d * self.xx + rows * rows, d * self.xy + rows * seconds
+        weight = self.decay * self.weight.get(rows, 0.0) + 1.0
+        mean = self.seconds.get(rows, seconds)
+        self.seconds[rows] = mean + (seconds - mean) / weight
+        self.weight[rows] = weight
 
-    @property
-    def fixed_rows(self) -> float:
-        """The fixed part in rows' worth of time: how many rows a step could add before it took twice as long."""
-        if self.n < 8:
-            return self.prior_rows
-        mean_x, mean_y = self.x / self.n, self.y / self.n
-        spread = self.xx / self.n - mean_x * mean_x
-        if spread < 0.5:  # the rows hardly varied: a slope fitted to them would be noise
-            return self.prior_rows
-        per_row = (self.xy / self.n - mean_x * mean_y) / spread
-        fixed = mean_y - per_row * mean_x
+    def fixed_rows(self, rows: int) -> float:
+        """The fixed part of a step of `rows` rows, in rows' worth of time: how many rows it could add before its
+        time doubled."""
+        seen = [n for n in self.seconds if rows / 2 <= n <= 2 * rows and self.weight[n] >= 1.0]
+        if len(seen) < 2:
+            return self.prior_rows if rows <= self.prior_rows else 0.0
+        w = sum(self.weight[n] for n in seen)
+        mean_x = sum(self.weight[n] * n for n in seen) / w
+        mean_y = sum(self.weight[n] * self.seconds[n] for n in seen) / w
+        spread = sum(self.weight[n] * (n - mean_x) ** 2 for n in seen) / w
+        per_row = sum(self.weight[n] * (n - mean_x) * (self.seconds[n] - mean_y) for n in seen) / w / spread
         if per_row <= 0:
-            return MAX_FIXED_ROWS  # rows cost nothing measurable: the fixed part is all there is
-        return min(max(fixed / per_row, 0.0), MAX_FIXED_ROWS)
+            return MAX_FIXED_ROWS  # rows cost nothing measurable here: the fixed part is all there is
+        return min(max((mean_y - per_row * mean_x) / per_row, 0.0), MAX_FIXED_ROWS)
 
 
 MAX_FIXED_ROWS = 1000.0
+# what a draft token must make beyond paying for its row: checking a draft costs a sampler call per position, which
+# the fit sees only in the drafted steps it has timed, and a fit over a few row counts is noisy
+MARGIN = 0.15
+# one step in this many checks one draft token even where the plan says it would not pay: a step count's time is
+# measured only when it runs, and a slow step must not stop drafts for good
+EXPLORE_EVERY = 32
 
 
 def plan(rates: list[float], lengths: list[int], fixed_rows: float, budget: int) -> list[int]:
@@ -150,7 +157,7 @@ def plan(rates: list[float], lengths: list[int], fixed_rows: float, budget: int)
     The j-th token of a draft (j from 1) is kept with chance rate^j, as a kept run ends at its first miss. With F the
     fixed part in rows and N the rows so far, a step making E tokens makes E / (F + N) per row's worth of time; one
     more row making v tokens raises that exactly when v > E / (F + N). So tokens are added, likeliest first, while
-    that holds, at most `budget` of them."""
+    v beats that by MARGIN, at most `budget` of them."""
     rows = emitted = float(len(rates))
     taken = [0] * len(rates)
     frontier = [(-rate, i) for i, rate in enumerate(rates) if lengths[i] > 0]
@@ -158,7 +165,7 @@ def plan(rates: list[float], lengths: list[int], fixed_rows: float, budget: int)
     while frontier and budget > 0:
         value, i = heapq.heappop(frontier)
         value = -value
-        if value <= emitted / (fixed_rows + rows):
+        if value <= (1 + MARGIN) * emitted / (fixed_rows + rows):
             break
         taken[i] += 1
         rows, emitted, budget = rows + 1, emitted + value, budget - 1
