@@ -3,7 +3,8 @@
 tokenmill runs twice, with speculation (`--speculative`, ngram unless told) and without; with `--compare`, llama.cpp's
 llama-server runs twice too, with its own lookup decoding (`--llama-lookup-args`) and without. Every system takes the
 workload's prompts (workloads.py) as the standard run takes its own: the single stream over each prompt in turn, then
-each concurrency level, round after round, one server at a time. The two tokenmill servers must answer alike (greedy
+each concurrency level, round after round, one server at a time, in turn one way and then back (the machine's speed
+drifts by the minute, and a drift then falls on every system alike). The two tokenmill servers must answer alike (greedy
 decoding is exact with speculation): the run compares their texts request by request and reports how many matched,
 and reads the speculating server's acceptance from its /stats.
 """
@@ -82,7 +83,7 @@ def run_workload(args: argparse.Namespace, settings: LoadSettings, rounds: int, 
             if settings.eos_ids is None:
                 settings = dataclasses.replace(settings, eos_ids=_eos_ids(servers[0].url, settings))
             for r in range(rounds):
-                for server in servers:
+                for server in servers if r % 2 == 0 else servers[::-1]:  # A B C D, D C B A: drift falls alike
                     _progress(f"round {r + 1}/{rounds}: {server.spec.name} on the {args.workload} workload")
                     systems[server.spec.name]["passes"].append(load.run(load.bench_url(server.url, settings)))
             speculation = load.run(_spec_stats(servers[0].url, settings))
