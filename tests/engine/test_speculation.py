@@ -14,7 +14,7 @@ from tests.engine.tiny import TOK, FixedCost, drafting_core, run_all, tiny_core
 from tests.tiny_model import write_tiny_gguf
 from tokenmill.config import Config, ConfigError
 from tokenmill.engine.core import EngineCore
-from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.outputs import RequestOutput, StepReport
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.engine.speculation import (
     EXPLORE_EVERY,
@@ -139,6 +139,21 @@ def test_drafts_are_made_where_the_step_cost_says_they_pay(fixed_rows: float, dr
         assert st.spec_draft_tokens > st.spec_drafts > st.steps // EXPLORE_EVERY + 1
     else:
         assert 0 < st.spec_draft_tokens == st.spec_drafts <= st.steps // EXPLORE_EVERY + 1
+
+
+def test_no_drafts_in_steps_of_more_rows_than_the_ceiling() -> None:
+    """Nine decode rows side by side, one over max_rows: their steps have no drafts, however cheap rows look."""
+    core = drafting_core(speculative="ngram", max_num_prefills=9, max_num_batched_tokens=2048)
+    assert core.speculative.max_rows == 8
+    steps: list[StepReport] = []
+    core.step_observers.append(steps.append)
+    for i in range(9):
+        params = SamplingParams(max_tokens=40, temperature=0.0, logit_bias=EOS_BANNED)
+        core.add_request(f"r{i}", TOK.encode(REPEATED), params)
+    run_all(core)
+    decoding = [step for step in steps if step.num_seqs == 9 and step.num_tokens < 2 * 9]  # not the prefill
+    assert len(decoding) > 30 and all(step.num_tokens == 9 for step in decoding)
+    assert core.snapshot_stats().spec_drafts > 0  # in the last steps, where fewer rows were left
 
 
 def test_plan_checks_the_tokens_likely_enough_to_pay_for_their_rows() -> None:

@@ -19,7 +19,8 @@ draft token only where the chance that it is kept (the sequence's running rate o
 its place in the draft) is above the tokens per row's worth of time the step makes without it: many tokens while the
 fixed part dominates (a few rows), none once the rows' arithmetic does (many rows of a small model) or the drafts
 miss. A sequence whose draft missed entirely also waits before its next, twice as long after each miss in a row, and
-no draft is made in a step with a prompt chunk (docs/decisions/0037-draftless-speculation.md and
+no draft is made in a step with a prompt chunk or more than `max_rows` decode rows (served, 16 clients ran slower
+with the drafts the fit allowed them) (docs/decisions/0037-draftless-speculation.md and
 0038-speculation-by-step-cost.md have the measurements).
 
 Method `suffix` adds a store shared by the requests of a tenant (suffix_store.py): the tokens of every finished
@@ -40,7 +41,7 @@ from tokenmill.tokenizer import Tokenizer
 CORPUS_DOCUMENT = 2048  # tokens of a corpus file each document of the store takes: a lookup draws within one
 
 MAX_PAUSE = 32  # steps a sequence waits for its next draft after misses in a row, at most
-MAX_SCAN = 256  # earlier occurrences of a sequence's last token a lookup looks at, latest first
+MAX_SCAN = 64  # earlier occurrences of a sequence's last token a lookup looks at, latest first
 FIRST_RATE, PRIOR_TOKENS = 0.75, 4.0  # a new sequence's rate of kept draft tokens, before its own drafts
 KEPT_DECAY = 0.9  # the weight of a sequence's earlier drafts in its rate of kept tokens falls by this a draft
 
@@ -52,6 +53,7 @@ class SpeculativeConfig:
     min_ngram: int = 2
     max_ngram: int = 4
     step_tokens: int = 16  # draft tokens in one step, at most
+    max_rows: int = 8  # no drafts in a step of more decode rows than this, whatever the step cost says
     fixed_rows: float = 4.0  # a step's fixed part in rows' worth of time, until StepCost has measured it
     # method "suffix": where a sequence's own tokens give no draft, the finished requests of its tenant may
     store_tokens: int = 250_000  # tokens the shared store keeps, all tenants together (suffix_store.py)
