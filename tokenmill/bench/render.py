@@ -76,7 +76,7 @@ def render(runs: Sequence[tuple[str, dict[str, Any]]]) -> str:
 
 def machine_section(runs: Sequence[dict[str, Any]]) -> str:
     lines = [f"## {_machine_name(runs[0]['meta']['machine'])}", "", machine_line(runs), ""]
-    for results in runs:
+    for results in sorted(runs, key=lambda results: "workload" in results["meta"]):  # the standard runs first
         lines += [run_section(results), ""]
     return "\n".join(lines)
 
