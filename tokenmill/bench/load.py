@@ -272,11 +272,26 @@ async def discover(client: aiohttp.ClientSession, base_url: str) -> tuple[str, t
     return model, tuple(int(i) for i in ids if i is not None) or None
 
 
+async def served_stats(client: aiohttp.ClientSession, base_url: str) -> dict[str, Any]:
+    """The engine's counters, where the server has them (tokenmill's /stats); {} elsewhere."""
+    async with client.get(f"{base_url}/stats", allow_redirects=False) as stats:
+        return dict(await stats.json(content_type=None)) if stats.status == 200 else {}
+
+
 async def served_weight_bytes(client: aiohttp.ClientSession, base_url: str) -> int | None:
     """The bytes of weights a decode step reads, where the server says (tokenmill's /stats); None elsewhere."""
-    async with client.get(f"{base_url}/stats", allow_redirects=False) as stats:
-        value = (await stats.json(content_type=None)).get("weight_bytes_per_token") if stats.status == 200 else None
+    value = (await served_stats(client, base_url)).get("weight_bytes_per_token")
     return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def served_eos_ids(url: str, settings: LoadSettings) -> tuple[int, ...]:
+    """The EOS ids the server at `url` reports (discover), or none."""
+
+    async def ask() -> tuple[int, ...]:
+        async with make_client(settings) as client:
+            return (await discover(client, url))[1] or ()
+
+    return run(ask())
 
 
 def make_client(settings: LoadSettings) -> aiohttp.ClientSession:

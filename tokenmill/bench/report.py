@@ -1,8 +1,11 @@
-"""The readable table (one column per system, then tokenmill ÷ each other system) and the JSON file."""
+"""The readable table (one column per system, then tokenmill ÷ each other system), the JSON file, and the progress
+lines a run prints as it goes."""
 
 from __future__ import annotations
 
 import json
+import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -131,3 +134,7 @@ def workload_lines(workload: dict[str, Any]) -> str:
     if workload.get("llama_lookup_args"):
         lines.append(f"llama-server+lookup: {workload['llama_lookup_args']}")
     return "\n".join(lines)
+
+
+def progress(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)

@@ -32,10 +32,11 @@ from tokenmill.bench.llama_server import (
     llama_cpp_tree,
     llama_server_spec,
 )
-from tokenmill.bench.load import LoadSettings, bench_url, discover, make_client
+from tokenmill.bench.load import LoadSettings, bench_url
 from tokenmill.bench.loopback import NotLoopbackError, require_loopback
 from tokenmill.bench.machine import binary_version, describe_machine, slug, tokenmill_build
 from tokenmill.bench.native_flags import peer_cmake_args
+from tokenmill.bench.report import progress
 from tokenmill.bench.servers import (
     ManagedServer,
     RssSampler,
@@ -137,7 +138,8 @@ def bench_workload(args: argparse.Namespace) -> dict[str, Any]:
     """A --workload run (workload_run.py): tokenmill with speculation and without, and llama-server likewise."""
     if args.url:
         raise ValueError("--workload starts its own servers: it excludes --url")
-    settings = workload_run.workload_settings(args, load_settings(args))
+    chosen = workloads.workload(args.workload)  # its prompts are built once, from the installed packages' source
+    settings = workload_run.workload_settings(args, load_settings(args), chosen)
     model_file = args.model or _packaged_gguf()
     args.model = model_file
     run = workload_run.run_workload(args, settings, args.rounds or 2, args.start_timeout)
@@ -146,7 +148,6 @@ def bench_workload(args: argparse.Namespace) -> dict[str, Any]:
         binary = str(ensure_llama_server(args.llama_server_dir, args.llama_server_version))
         peers["llama-server"] = _peer_build(args, ServerSpec("llama-server", (binary,), 0, "/health"))
     results = _results(args, run["settings"], run["systems"], model_file, model_file, peers)
-    chosen = workloads.workload(args.workload)
     results["meta"]["workload"] = {
         "name": chosen.name,
         "prompts": len(chosen.prompts),
@@ -220,12 +221,12 @@ def _long_prefills(
     try:
         started = []
         for server in servers:
-            _progress(f"{server.spec.name} for the prompts of {', '.join(map(str, longer))} tokens alone")
+            progress(f"{server.spec.name} for the prompts of {', '.join(map(str, longer))} tokens alone")
             try:
                 server.start(args.start_timeout)
                 started.append(server)
             except ServerStartError as exc:  # that system's other figures stand
-                _progress(f"{server.spec.name}: its server for the long prompts did not start: {exc}")
+                progress(f"{server.spec.name}: its server for the long prompts did not start: {exc}")
         for r in range(rounds):
             for server in started:
                 one_pass = systems[server.spec.name]["passes"][r]
@@ -300,7 +301,7 @@ def _peer_build(args: argparse.Namespace, spec: ServerSpec) -> dict[str, str | N
 
 def _time_first_start(args: argparse.Namespace, cache_dir: str, log_dir: Path) -> float:
     """Seconds from process start to /health 200 with an empty --cache-dir: the first start on a new machine."""
-    _progress("timing tokenmill's first start on an empty cache dir")
+    progress("timing tokenmill's first start on an empty cache dir")
     with ManagedServer(tokenmill_spec(free_port(), args.model, _tokenmill_extra(args), cache_dir), log_dir) as server:
         return server.start(args.start_timeout)
 
@@ -310,19 +311,11 @@ def _start_all(
 ) -> LoadSettings:
     """Start every server (one after the other), then fix the EOS ids from the first that reports them."""
     for server in servers:
-        _progress(f"starting {server.spec.name}: {shlex.join(server.spec.argv)}")
+        progress(f"starting {server.spec.name}: {shlex.join(server.spec.argv)}")
         systems[server.spec.name]["startup_s"].append(server.start(timeout_s))
     if settings.eos_ids is None:
-        settings = dataclasses.replace(settings, eos_ids=_served_eos_ids(servers[0].url, settings))
+        settings = dataclasses.replace(settings, eos_ids=load.served_eos_ids(servers[0].url, settings))
     return settings
-
-
-def _served_eos_ids(url: str, settings: LoadSettings) -> tuple[int, ...]:
-    async def ask() -> tuple[int, ...]:
-        async with make_client(settings) as client:
-            return (await discover(client, url))[1] or ()
-
-    return load.run(ask())
 
 
 def _interleave(
@@ -346,7 +339,7 @@ def _interleave(
         for name, url in targets:
             systems[name]["passes"].append(_one_pass(name, url, settings, r, rounds, measure))
         for dtype in args.hf_dtype if args.transformers else ():
-            _progress(f"round {r + 1}/{rounds}: transformers {dtype} (in a subprocess)")
+            progress(f"round {r + 1}/{rounds}: transformers {dtype} (in a subprocess)")
             try:
                 figures = hf_baseline.run_in_subprocess(
                     dtype,
@@ -358,7 +351,7 @@ def _interleave(
                     timeout_s=1800,
                 )
             except (RuntimeError, subprocess.TimeoutExpired) as exc:  # the servers' figures still stand
-                _progress(f"transformers {dtype} left out: {exc}")
+                progress(f"transformers {dtype} left out: {exc}")
                 continue
             systems.setdefault(HF_NAMES[dtype], {"passes": []})["passes"].append(figures)
 
@@ -371,7 +364,7 @@ def _pass_gb_s(one_pass: dict[str, Any]) -> list[float]:
 
 def _one_pass(name: str, url: str, settings: LoadSettings, r: int, rounds: int, measure: bool) -> dict[str, Any]:
     around = " (memory read bandwidth before and after its single stream)" if measure else ""
-    _progress(f"round {r + 1}/{rounds}: {name} at {url}{around}")
+    progress(f"round {r + 1}/{rounds}: {name} at {url}{around}")
     started = time.perf_counter()
     read = bandwidth.measure_read_gb_s if measure else None
     result = load.run(bench_url(url, settings, read_bandwidth=read))
@@ -519,7 +512,3 @@ def notes(systems: dict[str, dict[str, Any]]) -> list[str]:
                 if prefill["error"]:
                     out.append(f"{name}, round {i + 1}, {prefill['length']}-token prefill failed: {prefill['error']}")
     return out
-
-
-def _progress(message: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)

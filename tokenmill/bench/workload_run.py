@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import shlex
-import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +23,9 @@ import aiohttp
 from tokenmill.bench import load
 from tokenmill.bench.llama_server import ensure_llama_server, llama_server_spec
 from tokenmill.bench.load import LoadSettings
+from tokenmill.bench.report import progress
 from tokenmill.bench.servers import ManagedServer, ServerSpec, free_port, tokenmill_spec
-from tokenmill.bench.workloads import workload
+from tokenmill.bench.workloads import Workload
 
 DEFAULT_CONCURRENCY = (16,)  # the single stream is always run; the issue of many clients is the 16-client level
 SPEC_KEYS = ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")
@@ -58,10 +57,10 @@ def systems_for(args: argparse.Namespace, model_file: str | None, cache_dir: str
     return specs
 
 
-def workload_settings(args: argparse.Namespace, settings: LoadSettings) -> LoadSettings:
+def workload_settings(args: argparse.Namespace, settings: LoadSettings, chosen: Workload) -> LoadSettings:
     """The workload's prompts; every prompt once in the single stream unless --single-runs says otherwise; no
     prefill timings (the standard run has them)."""
-    prompts = workload(args.workload).prompts
+    prompts = chosen.prompts
     single_runs = args.single_runs or len(prompts)
     concurrency = tuple(args.concurrency or DEFAULT_CONCURRENCY)
     return dataclasses.replace(
@@ -77,14 +76,14 @@ def run_workload(args: argparse.Namespace, settings: LoadSettings, rounds: int, 
         servers = [ManagedServer(spec, Path(tmp)) for spec in systems_for(args, model_file, args.cache_dir)]
         try:
             for server in servers:
-                _progress(f"starting {server.spec.name}: {shlex.join(server.spec.argv)}")
+                progress(f"starting {server.spec.name}: {shlex.join(server.spec.argv)}")
                 server.start(start_timeout)
                 systems[server.spec.name] = {"passes": []}
             if settings.eos_ids is None:
-                settings = dataclasses.replace(settings, eos_ids=_eos_ids(servers[0].url, settings))
+                settings = dataclasses.replace(settings, eos_ids=load.served_eos_ids(servers[0].url, settings))
             for r in range(rounds):
                 for server in servers if r % 2 == 0 else servers[::-1]:  # A B C D, D C B A: drift falls alike
-                    _progress(f"round {r + 1}/{rounds}: {server.spec.name} on the {args.workload} workload")
+                    progress(f"round {r + 1}/{rounds}: {server.spec.name} on the {args.workload} workload")
                     systems[server.spec.name]["passes"].append(load.run(load.bench_url(server.url, settings)))
             speculation = load.run(_spec_stats(servers[0].url, settings))
         finally:
@@ -118,8 +117,7 @@ def agreement(first: list[dict[str, Any]], second: list[dict[str, Any]]) -> dict
 async def _spec_stats(url: str, settings: LoadSettings) -> dict[str, Any]:
     async with load.make_client(settings) as client:
         try:
-            async with client.get(f"{url}/stats", allow_redirects=False) as response:
-                stats = await response.json(content_type=None) if response.status == 200 else {}
+            stats = await load.served_stats(client, url)
         except aiohttp.ClientError:
             stats = {}
     figures: dict[str, Any] = {key: stats.get(key) for key in SPEC_KEYS}
@@ -129,17 +127,5 @@ async def _spec_stats(url: str, settings: LoadSettings) -> dict[str, Any]:
     return figures
 
 
-def _eos_ids(url: str, settings: LoadSettings) -> tuple[int, ...]:
-    async def ask() -> tuple[int, ...]:
-        async with load.make_client(settings) as client:
-            return (await load.discover(client, url))[1] or ()
-
-    return load.run(ask())
-
-
 def _named(spec: ServerSpec, name: str) -> ServerSpec:
     return dataclasses.replace(spec, name=name)
-
-
-def _progress(message: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)

@@ -44,6 +44,13 @@ MAX_PAUSE = 32  # steps a sequence waits for its next draft after misses in a ro
 MAX_SCAN = 64  # earlier occurrences of a sequence's last token a lookup looks at, latest first
 FIRST_RATE, PRIOR_TOKENS = 0.75, 4.0  # a new sequence's rate of kept draft tokens, before its own drafts
 KEPT_DECAY = 0.9  # the weight of a sequence's earlier drafts in its rate of kept tokens falls by this a draft
+MAX_FIXED_ROWS = 1000.0  # a step's fixed part in rows, at most: where rows cost nothing measurable
+# what a draft token must make beyond paying for its row: checking a draft costs a sampler call per position, which
+# the fit sees only in the drafted steps it has timed, and a fit over a few row counts is noisy
+MARGIN = 0.15
+# one step in this many checks one draft token even where the plan says it would not pay: a step count's time is
+# measured only when it runs, and a slow step must not stop drafts for good
+EXPLORE_EVERY = 32
 
 
 @dataclass(frozen=True)
@@ -142,15 +149,6 @@ class StepCost:
         if per_row <= 0:
             return MAX_FIXED_ROWS  # rows cost nothing measurable here: the fixed part is all there is
         return min(max((mean_y - per_row * mean_x) / per_row, 0.0), MAX_FIXED_ROWS)
-
-
-MAX_FIXED_ROWS = 1000.0
-# what a draft token must make beyond paying for its row: checking a draft costs a sampler call per position, which
-# the fit sees only in the drafted steps it has timed, and a fit over a few row counts is noisy
-MARGIN = 0.15
-# one step in this many checks one draft token even where the plan says it would not pay: a step count's time is
-# measured only when it runs, and a slow step must not stop drafts for good
-EXPLORE_EVERY = 32
 
 
 def plan(rates: list[float], lengths: list[int], fixed_rows: float, budget: int) -> list[int]:
