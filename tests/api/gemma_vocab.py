@@ -15,14 +15,23 @@ from tokenmill.model.gemma3 import Gemma3ForCausalLM
 from tokenmill.server.engine_core import build_engine_core
 
 
-def gemma_vocab_core() -> EngineCore:
-    """The tiny random model over the Gemma-shaped vocabulary (which llguidance can read), as an engine core."""
+def gemma_vocab_core(**overrides: object) -> EngineCore:
+    """The tiny random model over the Gemma-shaped vocabulary (which llguidance can read), as an engine core;
+    `overrides`: Config fields (speculation's, say)."""
     torch.manual_seed(0)
     model = Gemma3ForCausalLM(tiny_config(VOCAB_PAD))
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.3)
-    config = Config(dtype="float32", block_size=4, num_kv_blocks=256, max_num_seqs=16, max_num_batched_tokens=64)
+    settings: dict[str, object] = {
+        "dtype": "float32",
+        "block_size": 4,
+        "num_kv_blocks": 256,
+        "max_num_seqs": 16,
+        "max_num_batched_tokens": 64,
+        **overrides,
+    }
+    config = Config(**settings)  # type: ignore[arg-type]
     return build_engine_core(model.eval(), tiny_tokenizer(), config)
 
 

@@ -9,13 +9,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from tests.api.gemma_vocab import gemma_vocab_core
 from tests.engine.tiny import TOK, FixedCost, drafting_core, run_all, tiny_core
-from tests.tiny_model import write_tiny_gguf
+from tests.tiny_model import tiny_tokenizer, write_tiny_gguf
 from tokenmill.config import Config, ConfigError
 from tokenmill.engine.core import EngineCore
+from tokenmill.engine.guided import Guide, GuidedState, json_schema_guide
 from tokenmill.engine.outputs import RequestOutput, StepReport
 from tokenmill.engine.sampling import SamplingParams
+from tokenmill.engine.scheduler import MAX_GUIDED_ROWS
 from tokenmill.engine.speculation import (
     EXPLORE_EVERY,
     MAX_FIXED_ROWS,
@@ -99,6 +103,76 @@ def test_greedy_outputs_are_the_same_on_the_c_path_with_its_greedy_head(tmp_path
         assert run(drafting, [name]) == run(core(), [name])
     assert run(drafting, names) == run(core(), names)
     assert drafting.snapshot_stats().spec_accepted_tokens > 0
+
+
+def test_each_finished_choice_s_drafts_are_in_the_stats() -> None:
+    core = drafting_core(speculative="ngram")
+    run(core, ["plain", "two", "short"])
+    st = core.snapshot_stats()
+    listed = {(r["request_id"], r["index"]): r for r in st.spec_responses}
+    assert set(listed) == {("plain", 0), ("two", 0), ("two", 1), ("short", 0)}
+    assert sum(r["draft_tokens"] for r in listed.values()) == st.spec_draft_tokens
+    assert sum(r["accepted_tokens"] for r in listed.values()) == st.spec_accepted_tokens
+    plain = listed[("plain", 0)]
+    assert plain["completion_tokens"] == 48 and plain["drafts"] > 0
+    assert plain["acceptance"] == plain["accepted_tokens"] / plain["draft_tokens"]
+    assert tiny_core().snapshot_stats().spec_responses == []  # speculation off: nothing to list
+
+
+GRAMMARS = {
+    "regex": Guide("regex", r"The quick brown fox jumps over the lazy dog\. (yes|no)\. The quick brown fox\."),
+    "json": json_schema_guide(
+        {
+            "type": "object",
+            "properties": {"first_name_of_the_person": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+            "required": ["first_name_of_the_person", "age"],
+        }
+    ),
+}
+
+
+def guided_run(core: EngineCore, names: list[str], max_tokens: int = 80) -> dict[str, dict[int, dict[str, Any]]]:
+    tok = tiny_tokenizer()
+    for name in names:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, guide=GRAMMARS[name.split("-")[0]])
+        core.add_request(name, tok.encode("hello world"), params)
+    return {name: choices(outs) for name, outs in run_all(core).items()}
+
+
+@pytest.mark.parametrize("grammar", list(GRAMMARS))
+def test_a_grammar_s_forced_text_is_drafted_and_changes_nothing(grammar: str) -> None:
+    """The text a grammar allows alone (a regex's literal, a schema's keys) is a draft; each kept token was still
+    sampled under its mask, so the output is the one without drafts, in fewer steps."""
+    plain, drafting = gemma_vocab_core(), gemma_vocab_core(speculative="ngram")
+    drafting.step_cost = FixedCost(MAX_FIXED_ROWS)
+    assert guided_run(drafting, [grammar]) == guided_run(plain, [grammar])
+    st = drafting.snapshot_stats()
+    assert st.spec_accepted_tokens > 0 and st.steps < plain.snapshot_stats().steps
+
+
+def test_drafts_under_grammars_stay_within_a_step_s_masks(monkeypatch: pytest.MonkeyPatch) -> None:
+    names = [f"regex-{i}" for i in range(6)]
+    expected = guided_run(gemma_vocab_core(), names, max_tokens=30)
+    masks_in_step: list[int] = []
+    allowed = GuidedState.allowed
+
+    def counted(self: GuidedState) -> torch.Tensor:
+        masks_in_step[-1] += 1
+        return allowed(self)
+
+    monkeypatch.setattr(GuidedState, "allowed", counted)
+    core = gemma_vocab_core(speculative="ngram")
+    core.step_cost = FixedCost(MAX_FIXED_ROWS)
+    step = core.step
+
+    def counting_step() -> list[RequestOutput]:
+        masks_in_step.append(0)
+        return step()
+
+    monkeypatch.setattr(core, "step", counting_step)
+    assert guided_run(core, names, max_tokens=30) == expected
+    assert core.snapshot_stats().spec_accepted_tokens > 0
+    assert max(masks_in_step) <= MAX_GUIDED_ROWS
 
 
 def test_a_seeded_sampled_request_is_drafted_and_draws_the_same_tokens() -> None:

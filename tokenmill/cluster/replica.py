@@ -125,6 +125,9 @@ def summed(stats: list[EngineStats]) -> EngineStats:
     for one in stats:
         for f in dataclasses.fields(EngineStats):
             mine, theirs = getattr(total, f.name), getattr(one, f.name)
+            if f.name == "spec_responses":  # each replica's own finished choices
+                setattr(total, f.name, mine + theirs)
+                continue
             if isinstance(mine, list):  # counts per position: added position by position
                 setattr(total, f.name, _added(mine, theirs))
                 continue

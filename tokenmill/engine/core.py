@@ -10,8 +10,10 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -42,6 +44,8 @@ from tokenmill.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
+SPEC_RESPONSES = 64  # the finished choices whose drafts /stats lists
+
 
 @dataclass
 class EngineStats:
@@ -63,6 +67,8 @@ class EngineStats:
     spec_store_drafts: int = 0  # of spec_drafts, those from the shared suffix store (method "suffix")
     spec_store_tokens: int = 0  # tokens in the shared suffix store (method "suffix"; not counters)
     spec_store_bytes: int = 0  # the memory they and their index take
+    # the last SPEC_RESPONSES choices to end with speculation on, oldest first, each with its own drafts (spec_response)
+    spec_responses: list[dict[str, Any]] = field(default_factory=list)
 
 
 class EngineCore:
@@ -87,6 +93,7 @@ class EngineCore:
         self.store = shared_store(self.speculative, tokenizer)  # finished sequences' tokens, per tenant
         self.step_cost = StepCost(self.speculative.fixed_rows)  # what a decode step's rows cost: sizes the drafts
         self._recent = DraftState()  # every sequence's drafts together: a new sequence's first rate of kept tokens
+        self._spec_responses: deque[dict[str, Any]] = deque(maxlen=SPEC_RESPONSES)
         self.requests: dict[str, RequestState] = {}
         self.stats = EngineStats(weight_bytes_per_token=runner.model.weight_bytes_per_token())
         self._token_texts: dict[int, str] = {}
@@ -257,6 +264,8 @@ class EngineCore:
             if seq.drafts is not None:
                 seq.drafts.settle(len(draft), accepted)
             self._recent.settle(len(draft), accepted)
+            if seq.is_finished and seq.finish_reason is not FinishReason.ABORT:  # it ended in this step (_finish)
+                self._spec_responses.append(spec_response(seq))
 
     def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor, summary: HeadSummary | None) -> None:
         """One token for each sequence from its row of `logits` (and of the head's summary, where it has one)."""
@@ -301,8 +310,6 @@ class EngineCore:
         spec = self.speculative
         if len(batch) > spec.max_rows:
             return {}  # where the fit said drafts paid, served 16-client steps ran 5-10% slower (decision 0038)
-        if any(s.seq.guided is not None for s in batch):
-            return {}  # a grammar's masks are computed a token at a time, ahead of the step
         if len(batch) > 1 and not all(s.seq.params.greedy for s in batch):
             return {}  # sampling a row costs more than its pass: several drafting sampled rows lost (decision 0037)
         states = [s.seq.drafts or DraftState.starting(self._recent.rate) for s in batch]
@@ -314,6 +321,9 @@ class EngineCore:
         if max(state.rate for state in states) <= bar:
             return {}
         budget = min(self.scheduler.max_num_batched_tokens - len(batch), spec.step_tokens)
+        # a kept token of a row under a grammar is sampled under its mask, one more pass over the vocabulary: a step's
+        # drafts under grammars stay within the masks the scheduler allows a step, those of the rows themselves first
+        masks_left = self.scheduler.max_guided_rows - sum(s.seq.guided is not None for s in batch)
         proposals: list[list[int]] = []
         stored: set[int] = set()  # the sequences whose proposal is the store's
         for s, state in zip(batch, states):
@@ -332,10 +342,17 @@ class EngineCore:
                 seq.params.max_tokens - seq.num_output_tokens - 1,  # the tokens a step may emit: the draft's + 1
                 self.max_model_len - seq.num_tokens - 1,
             )
-            draft = propose(seq.token_ids, state, room, spec.min_ngram, spec.max_ngram)
+            if seq.guided is not None:
+                room = min(room, masks_left)
+            draft = seq.guided.forced(room) if seq.guided is not None else []
+            if not draft:
+                draft = propose(seq.token_ids, state, room, spec.min_ngram, spec.max_ngram)
             if not draft and self.store is not None:
                 draft = self.store.propose(seq.params.tenant, seq.token_ids, room)
                 stored.add(seq.seq_id)
+            if seq.guided is not None:
+                draft = draft[: seq.guided.valid_prefix(draft)]
+                masks_left -= len(draft)
             proposals.append(draft)
         rates, lengths = [state.rate for state in states], [len(p) for p in proposals]
         taken = plan(rates, lengths, fixed_rows, budget)
@@ -397,6 +414,8 @@ class EngineCore:
         seq.finish(reason)
         if self.store is not None and seq.num_output_tokens:
             self.store.add(seq.params.tenant, seq.token_ids)
+        if self.speculative.enabled and seq.seq_id not in self._drafts:  # else once its draft is settled
+            self._spec_responses.append(spec_response(seq))
 
     def _finish_without_output(self, parent: Sequence) -> None:
         """max_tokens == 0: every choice ends at once with no tokens (the prompt may still have been scored)."""
@@ -492,7 +511,29 @@ class EngineCore:
         st.num_preemptions = self.scheduler.num_preemptions
         if self.store is not None:
             st.spec_store_tokens, st.spec_store_bytes = self.store.tokens, self.store.nbytes()
-        return EngineStats(**{**vars(st), "spec_accepted_per_position": list(st.spec_accepted_per_position)})
+        return EngineStats(
+            **{
+                **vars(st),
+                "spec_accepted_per_position": list(st.spec_accepted_per_position),
+                "spec_responses": list(self._spec_responses),
+            }
+        )
+
+
+def spec_response(seq: Sequence) -> dict[str, Any]:
+    """What speculation did for one finished choice: its drafts, their tokens and those kept (none where it never
+    drafted: a prompt with nothing to look up, or a step too full to draft in)."""
+    state = seq.drafts or DraftState()
+    drafted, kept = state.total_drafted, state.total_kept
+    return {
+        "request_id": seq.request_id,
+        "index": seq.index,
+        "completion_tokens": seq.num_output_tokens,
+        "drafts": state.total_drafts,
+        "draft_tokens": drafted,
+        "accepted_tokens": kept,
+        "acceptance": kept / drafted if drafted else None,
+    }
 
 
 def _decode_row(s: Scheduled) -> bool:

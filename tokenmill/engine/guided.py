@@ -185,6 +185,16 @@ class GuidedState:
         if not self.matcher.consume_token(token_id):
             raise GuideError(f"the grammar failed at token {token_id}: {reason(self.matcher.get_error())}")
 
+    def forced(self, k: int) -> list[int]:
+        """Up to k tokens that spell what the grammar allows alone from here (llguidance's fast-forward tokens: a
+        JSON key the schema requires, say): a draft. The model may still spell the same text otherwise, so a draft
+        it is, checked like any other."""
+        return list(self.matcher.compute_ff_tokens()[:k]) if k > 0 else []
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, in order from here, the grammar allows: past those a draft cannot be kept."""
+        return int(self.matcher.validate_tokens(tokens)) if tokens else 0
+
     @property
     def done(self) -> bool:
         """The grammar admits nothing more."""

@@ -89,6 +89,10 @@ class DraftState:
     # sequence starts from the engine's recent rate, hopefully: at least FIRST_RATE, worth PRIOR_TOKENS tokens tried
     kept: float = 3.0
     tried: float = 4.0
+    # all its drafts, undecayed: what /stats reports of the sequence once it ends
+    total_drafts: int = 0
+    total_drafted: int = 0
+    total_kept: int = 0
 
     @classmethod
     def starting(cls, recent: float) -> DraftState:
@@ -106,6 +110,9 @@ class DraftState:
 
     def settle(self, drafted: int, accepted: int) -> None:
         """A draft of `drafted` tokens kept `accepted` of them."""
+        self.total_drafts += 1
+        self.total_drafted += drafted
+        self.total_kept += accepted
         self.kept = KEPT_DECAY * self.kept + accepted
         self.tried = KEPT_DECAY * self.tried + accepted + (accepted < drafted)
         if accepted:
