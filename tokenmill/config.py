@@ -102,7 +102,7 @@ class Config:
         " suffix also from the finished requests of the same API key",
         choices=SPECULATIVE_METHODS,
     )
-    num_speculative_tokens: int = _opt(4, "most guessed tokens a stream's step checks (--speculative)")
+    num_speculative_tokens: int = _opt(16, "most guessed tokens a stream's step checks (--speculative)")
     speculative_config: str | None = _opt(
         None,
         "vLLM's form, a JSON object over the two flags above: method, num_speculative_tokens, prompt_lookup_min and"

@@ -65,7 +65,8 @@ def test_each_prompt_alone_gives_the_same_output(cores: dict[str, EngineCore]) -
         requests = {name: (prompt, greedy(cores["off"]))}
         assert outputs(cores["ngram"], requests) == outputs(cores["off"], requests), name
     st = cores["ngram"].snapshot_stats()
-    assert st.spec_accepted_tokens > 0.5 * st.spec_draft_tokens > 0  # the edit prompt repeats its code
+    # the edit prompt repeats its code: most drafts keep their first token, whatever their length
+    assert st.spec_accepted_per_position[0] > 0.5 * st.spec_drafts > 0
 
 
 def test_streams_side_by_side_with_logprobs_and_stops_give_the_same_output(cores: dict[str, EngineCore]) -> None:

@@ -308,7 +308,7 @@ def test_vllms_speculative_config_sets_the_lookup() -> None:
     given = '{"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 5, "prompt_lookup_min": 3}'
     core = tiny_core(speculative_config=given)
     assert core.speculative == SpeculativeConfig("ngram", num_tokens=6, min_ngram=3, max_ngram=5)
-    assert tiny_core(speculative="ngram").speculative == SpeculativeConfig("ngram", 4, 2, 4)
+    assert tiny_core(speculative="ngram").speculative == SpeculativeConfig("ngram", 16, 2, 4)
 
 
 @pytest.mark.parametrize(

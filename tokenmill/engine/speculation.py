@@ -56,7 +56,7 @@ EXPLORE_EVERY = 32
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str = "off"
-    num_tokens: int = 4  # most draft tokens a row gets
+    num_tokens: int = 16  # most draft tokens a row gets (the plan checks as many of them as pay)
     min_ngram: int = 2
     max_ngram: int = 4
     step_tokens: int = 16  # draft tokens in one step, at most
