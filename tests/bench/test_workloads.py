@@ -12,7 +12,7 @@ import pytest
 from starlette.routing import compile_path
 
 from tests.bench.bench_runs import ZEN4, bench_run
-from tokenmill.bench import render, report, workloads
+from tokenmill.bench import render, report, workload_run, workloads
 from tokenmill.bench.run import results_path
 from tokenmill.cli import main
 
@@ -109,3 +109,15 @@ def test_a_workload_run_of_tokenmill_with_speculation_and_without_answers_alike(
     assert speculation["spec_drafts"] > 0 and speculation["spec_draft_tokens"] >= speculation["spec_accepted_tokens"]
     assert results["figures"]["tokenmill+ngram"]["c2_agg_tok_s"] > 0
     assert "answers identical" in capsys.readouterr().out
+
+
+def test_the_drafts_of_every_pass_s_server_are_added_up() -> None:
+    """Each pass runs on a server of its own: the speculating server's counts are each pass's, summed."""
+    passes = [
+        {"spec_drafts": 3, "spec_draft_tokens": 10, "spec_accepted_tokens": 6, "spec_accepted_per_position": [3, 2, 1]},
+        {"spec_drafts": 1, "spec_draft_tokens": 2, "spec_accepted_tokens": 2, "spec_accepted_per_position": [1, 1]},
+    ]
+    summed = workload_run._summed_stats(passes)
+    assert (summed["spec_drafts"], summed["spec_draft_tokens"], summed["spec_accepted_tokens"]) == (4, 12, 8)
+    assert summed["accepted_per_position"] == [4, 3, 1] and summed["acceptance"] == 8 / 12
+    assert workload_run._summed_stats([{"spec_drafts": None}])["acceptance"] is None

@@ -3,8 +3,10 @@
 tokenmill runs twice, with speculation (`--speculative`, ngram unless told) and without; with `--compare`, llama.cpp's
 llama-server runs twice too, with its own lookup decoding (`--llama-lookup-args`) and without. Every system takes the
 workload's prompts (workloads.py) as the standard run takes its own: the single stream over each prompt in turn, then
-each concurrency level, round after round, one server at a time, in turn one way and then back (the machine's speed
-drifts by the minute, and a drift then falls on every system alike). The two tokenmill servers must answer alike (greedy
+each concurrency level, round after round, in turn one way and then back (the machine's speed drifts by the minute, and
+a drift then falls on every system alike). Each pass runs on a server started for it and stopped after it, alone on
+the machine: two servers of one program started side by side ran the same 16-row steps 9% apart for as long as they
+ran, the first started the slower, whichever it was (docs/decisions/0039-longer-drafts-and-grammar-drafts.md). The two tokenmill servers must answer alike (greedy
 decoding is exact with speculation): the run compares their texts request by request and reports how many matched,
 and reads the speculating server's acceptance from its /stats.
 """
@@ -69,33 +71,31 @@ def workload_settings(args: argparse.Namespace, settings: LoadSettings, chosen: 
 
 
 def run_workload(args: argparse.Namespace, settings: LoadSettings, rounds: int, start_timeout: float) -> dict[str, Any]:
-    """Start every system, run the rounds, and gather each pass, the acceptance and the answers' agreement."""
-    model_file = args.model
-    systems: dict[str, dict[str, Any]] = {}
+    """Run the rounds, each pass on a server started for it, and gather each pass, the acceptance and the answers'
+    agreement."""
+    specs = systems_for(args, args.model, args.cache_dir)
+    systems: dict[str, dict[str, Any]] = {spec.name: {"passes": [], "peak_rss_mb": None} for spec in specs}
+    drafts: list[dict[str, Any]] = []  # the speculating server's /stats after each of its passes
     with tempfile.TemporaryDirectory(prefix="tokenmill-bench-") as tmp:
-        servers = [ManagedServer(spec, Path(tmp)) for spec in systems_for(args, model_file, args.cache_dir)]
-        try:
-            for server in servers:
-                progress(f"starting {server.spec.name}: {shlex.join(server.spec.argv)}")
-                server.start(start_timeout)
-                systems[server.spec.name] = {"passes": []}
-            if settings.eos_ids is None:
-                settings = dataclasses.replace(settings, eos_ids=load.served_eos_ids(servers[0].url, settings))
-            for r in range(rounds):
-                for server in servers if r % 2 == 0 else servers[::-1]:  # A B C D, D C B A: drift falls alike
-                    progress(f"round {r + 1}/{rounds}: {server.spec.name} on the {args.workload} workload")
-                    systems[server.spec.name]["passes"].append(load.run(load.bench_url(server.url, settings)))
-            speculation = load.run(_spec_stats(servers[0].url, settings))
-        finally:
-            for server in servers:
-                server.stop()
-                if server.spec.name in systems:
-                    systems[server.spec.name]["peak_rss_mb"] = server.peak_rss_mb
+        for r in range(rounds):
+            for spec in specs if r % 2 == 0 else specs[::-1]:  # A B C D, D C B A: drift falls alike
+                progress(f"round {r + 1}/{rounds}: {spec.name} on the {args.workload} workload")
+                server = ManagedServer(spec, Path(tmp))
+                try:
+                    server.start(start_timeout)
+                    if settings.eos_ids is None:
+                        settings = dataclasses.replace(settings, eos_ids=load.served_eos_ids(server.url, settings))
+                    systems[spec.name]["passes"].append(load.run(load.bench_url(server.url, settings)))
+                    if spec is specs[0]:
+                        drafts.append(load.run(_spec_stats(server.url, settings)))
+                finally:
+                    server.stop()
+                    systems[spec.name]["peak_rss_mb"] = _larger(systems[spec.name]["peak_rss_mb"], server.peak_rss_mb)
     names = list(systems)
     return {
         "settings": settings,
         "systems": systems,
-        "speculation": speculation,
+        "speculation": _summed_stats(drafts),
         "agreement": agreement(systems[names[0]]["passes"], systems[names[1]]["passes"]),
     }
 
@@ -120,11 +120,29 @@ async def _spec_stats(url: str, settings: LoadSettings) -> dict[str, Any]:
             stats = await load.served_stats(client, url)
         except aiohttp.ClientError:
             stats = {}
-    figures: dict[str, Any] = {key: stats.get(key) for key in SPEC_KEYS}
+    return {key: stats.get(key) for key in (*SPEC_KEYS, "spec_accepted_per_position")}
+
+
+def _summed_stats(passes: list[dict[str, Any]]) -> dict[str, Any]:
+    """The speculating server's drafts over all its passes (each pass's server counted from its start), and the
+    share of draft tokens kept."""
+    figures: dict[str, Any] = {}
+    for key in SPEC_KEYS:
+        counts = [p[key] for p in passes if p.get(key) is not None]
+        figures[key] = sum(counts) if counts else None
     drafted, kept = figures["spec_draft_tokens"], figures["spec_accepted_tokens"]
     figures["acceptance"] = kept / drafted if drafted else None
-    figures["accepted_per_position"] = stats.get("spec_accepted_per_position")
+    per_position: list[int] = []
+    for p in passes:
+        for i, n in enumerate(p.get("spec_accepted_per_position") or ()):
+            per_position += [0] * (i + 1 - len(per_position))
+            per_position[i] += n
+    figures["accepted_per_position"] = per_position or None
     return figures
+
+
+def _larger(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else max(a, b)
 
 
 def _named(spec: ServerSpec, name: str) -> ServerSpec:
