@@ -23,6 +23,9 @@ no draft is made in a step with a prompt chunk or more than `max_rows` decode ro
 with the drafts the fit allowed them) (docs/decisions/0037-draftless-speculation.md and
 0038-speculation-by-step-cost.md have the measurements).
 
+A stream under a grammar (structured outputs) drafts the text its grammar allows alone from where it stands, else
+its lookup's draft cut where the grammar refuses it (guided.py): each kept token is still sampled under its mask.
+
 Method `suffix` adds a store shared by the requests of a tenant (suffix_store.py): the tokens of every finished
 sequence are kept, bounded and least recently used first out, and a sequence whose own tokens give no draft gets one
 from the text that followed its last tokens in its tenant's earlier requests (or in the operator's corpus file).
