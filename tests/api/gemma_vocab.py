@@ -3,6 +3,7 @@ byte-fallback pieces for everything else (tests/engine/tiny.py's engine has one 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.api.api_helpers import TINY_MODEL
@@ -11,6 +12,8 @@ from tests.tiny_model import VOCAB_PAD, tiny_tokenizer
 from tokenmill.config import Config
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.engine import AsyncEngine
+from tokenmill.engine.guided import GuidedState
+from tokenmill.engine.outputs import RequestOutput
 from tokenmill.model.gemma3 import Gemma3ForCausalLM
 from tokenmill.server.engine_core import build_engine_core
 
@@ -38,3 +41,22 @@ def gemma_vocab_core(**overrides: object) -> EngineCore:
 def gemma_vocab_engine() -> AsyncEngine:
     """Served as TINY_MODEL, not yet started."""
     return AsyncEngine(gemma_vocab_core(), TINY_MODEL, "fp_tiny")
+
+
+def masks_per_step(monkeypatch: pytest.MonkeyPatch, core: EngineCore) -> list[int]:
+    """The grammar masks (GuidedState.allowed) `core` computes in each of its steps from now on: one count a step,
+    appended as the steps run."""
+    counts: list[int] = []
+    allowed, step = GuidedState.allowed, core.step
+
+    def counted(self: GuidedState) -> torch.Tensor:
+        counts[-1] += 1
+        return allowed(self)
+
+    def counting_step() -> list[RequestOutput]:
+        counts.append(0)
+        return step()
+
+    monkeypatch.setattr(GuidedState, "allowed", counted)
+    monkeypatch.setattr(core, "step", counting_step)
+    return counts

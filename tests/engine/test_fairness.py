@@ -11,12 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-import torch
 
-from tests.api.gemma_vocab import gemma_vocab_core
+from tests.api.gemma_vocab import gemma_vocab_core, masks_per_step
 from tests.engine.tiny import TOK, choice_tokens, greedy, run_all, tiny_core
 from tokenmill.engine.core import EngineCore
-from tokenmill.engine.guided import Guide, GuidedState
+from tokenmill.engine.guided import Guide
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.engine.scheduler import MAX_GUIDED_ROWS, fair_shares
@@ -117,22 +116,8 @@ def test_one_requests_grammar_masks_are_shared_and_capped_a_step(monkeypatch: py
     alone = gemma_vocab_core()
     alone.add_request("masked", [2, 300, 301], params)
     expected = run_all(alone)["masked"]
-    masks_in_step: list[int] = []
-    allowed = GuidedState.allowed
-
-    def counted(self: GuidedState) -> torch.Tensor:
-        masks_in_step[-1] += 1
-        return allowed(self)
-
-    monkeypatch.setattr(GuidedState, "allowed", counted)
     core = gemma_vocab_core()
-    step = core.step
-
-    def counting_step() -> list[RequestOutput]:
-        masks_in_step.append(0)
-        return step()
-
-    monkeypatch.setattr(core, "step", counting_step)
+    masks_in_step = masks_per_step(monkeypatch, core)
     core.add_request("masked", [2, 300, 301], params)
     steps, outputs = bystander_steps(core, {"masked"})
     assert steps <= WITHIN

@@ -9,14 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-from tests.api.gemma_vocab import gemma_vocab_core
+from tests.api.gemma_vocab import gemma_vocab_core, masks_per_step
 from tests.engine.tiny import TOK, FixedCost, drafting_core, run_all, tiny_core
 from tests.tiny_model import tiny_tokenizer, write_tiny_gguf
 from tokenmill.config import Config, ConfigError
 from tokenmill.engine.core import EngineCore
-from tokenmill.engine.guided import Guide, GuidedState, json_schema_guide
+from tokenmill.engine.guided import Guide, json_schema_guide
 from tokenmill.engine.outputs import RequestOutput, StepReport
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.engine.scheduler import MAX_GUIDED_ROWS
@@ -153,23 +152,9 @@ def test_a_grammar_s_forced_text_is_drafted_and_changes_nothing(grammar: str) ->
 def test_drafts_under_grammars_stay_within_a_step_s_masks(monkeypatch: pytest.MonkeyPatch) -> None:
     names = [f"regex-{i}" for i in range(6)]
     expected = guided_run(gemma_vocab_core(), names, max_tokens=30)
-    masks_in_step: list[int] = []
-    allowed = GuidedState.allowed
-
-    def counted(self: GuidedState) -> torch.Tensor:
-        masks_in_step[-1] += 1
-        return allowed(self)
-
-    monkeypatch.setattr(GuidedState, "allowed", counted)
     core = gemma_vocab_core(speculative="ngram")
     core.step_cost = FixedCost(MAX_FIXED_ROWS)
-    step = core.step
-
-    def counting_step() -> list[RequestOutput]:
-        masks_in_step.append(0)
-        return step()
-
-    monkeypatch.setattr(core, "step", counting_step)
+    masks_in_step = masks_per_step(monkeypatch, core)
     assert guided_run(core, names, max_tokens=30) == expected
     assert core.snapshot_stats().spec_accepted_tokens > 0
     assert max(masks_in_step) <= MAX_GUIDED_ROWS
