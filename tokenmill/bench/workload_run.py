@@ -6,9 +6,9 @@ workload's prompts (workloads.py) as the standard run takes its own: the single 
 each concurrency level, round after round, in turn one way and then back (the machine's speed drifts by the minute, and
 a drift then falls on every system alike). Each pass runs on a server started for it and stopped after it, alone on
 the machine: two servers of one program started side by side ran the same 16-row steps 9% apart for as long as they
-ran, the first started the slower, whichever it was (docs/decisions/0039-longer-drafts-and-grammar-drafts.md). The two tokenmill servers must answer alike (greedy
-decoding is exact with speculation): the run compares their texts request by request and reports how many matched,
-and reads the speculating server's acceptance from its /stats.
+ran, the first started the slower, whichever it was (docs/decisions/0039-longer-drafts-and-grammar-drafts.md). The
+two tokenmill servers must answer alike (greedy decoding is exact with speculation): the run compares their texts
+request by request and reports how many matched, and reads the speculating server's acceptance from its /stats.
 """
 
 from __future__ import annotations
@@ -80,6 +80,8 @@ def run_workload(args: argparse.Namespace, settings: LoadSettings, rounds: int, 
         for r in range(rounds):
             for spec in specs if r % 2 == 0 else specs[::-1]:  # A B C D, D C B A: drift falls alike
                 progress(f"round {r + 1}/{rounds}: {spec.name} on the {args.workload} workload")
+                if r == 0:  # each system's command, once
+                    progress(f"starting {spec.name}: {shlex.join(spec.argv)}")
                 server = ManagedServer(spec, Path(tmp))
                 try:
                     server.start(start_timeout)
