@@ -139,14 +139,15 @@ def test_prompts_longer_than_a_slot_are_timed_for_everyone_on_servers_started_fo
     argv += ["--llama-server-ctx", "512", "--prefill-tokens", "100", "1000"]
     assert main(argv) == 0
     names = [s.spec.name for s in started]
-    assert names == ["tokenmill", "ik-llama-server", "tokenmill", "ik-llama-server"]  # the load's, then the long's
-    one_slot = started[3].spec.argv
+    # a server per pass of the load, one way and then back, then one each for the long prompts
+    assert names == ["tokenmill", "ik-llama-server", "ik-llama-server", "tokenmill", "tokenmill", "ik-llama-server"]
+    one_slot = started[5].spec.argv
     assert one_slot[one_slot.index("--parallel") + 1] == "1" and one_slot[one_slot.index("--ctx-size") + 1] == "2048"
-    long_bodies = [b for b in started[2].fake.bodies if len(str(b["prompt"]).split()) > 500]
+    long_bodies = [b for b in started[4].fake.bodies if len(str(b["prompt"]).split()) > 500]
     assert (
         len(long_bodies) == 2
         and not any(  # the servers that took the load never saw the long prompts
-            len(str(b["prompt"]).split()) > 500 for s in started[:2] for b in s.fake.bodies
+            len(str(b["prompt"]).split()) > 500 for s in started[:4] for b in s.fake.bodies
         )
     )
     results: dict[str, Any] = json.loads(out.read_text())

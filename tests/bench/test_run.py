@@ -138,3 +138,15 @@ def test_notes_name_failures_and_early_stops() -> None:
     assert "peer, round 1, 8000-token prefill failed: HTTP 400: context full" in notes
     assert any("peer, round 1, 16 clients: 1 of 32 requests failed" in n for n in notes)
     assert any("3 requests stopped before max_tokens" in n for n in notes)
+
+
+def test_each_pass_of_a_managed_run_has_a_server_of_its_own(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Two rounds start tokenmill twice: a start-up time and a pass per round, and one peak RSS over both servers."""
+    out = tmp_path / "run.json"
+    argv = ["bench", "--model", str(tiny_model_dir), "--rounds", "2", "--single-runs", "1", "--no-startup"]
+    argv += ["--concurrency", "2", "--requests", "2", "--max-tokens", "6", "--prefill-tokens", "16", "--json", str(out)]
+    assert main(argv) == 0
+    system = json.loads(out.read_text())["systems"]["tokenmill"]
+    assert len(system["startup_s"]) == 2 and all(s > 0 for s in system["startup_s"])
+    assert len(system["passes"]) == 2 and all(p["levels"][0]["concurrency"] == 2 for p in system["passes"])
+    assert system["peak_rss_mb"] > 0

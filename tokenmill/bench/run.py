@@ -48,7 +48,7 @@ from tokenmill.bench.servers import (
     peer_spec,
     tokenmill_spec,
 )
-from tokenmill.bench.stats import flat_figures, median_of_rounds
+from tokenmill.bench.stats import flat_figures, larger, median_of_rounds
 
 Figures = dict[str, float | None]
 PROMPT_ROOM = 64  # tokens of slack over a long prompt's nominal length in a slot sized for it
@@ -125,8 +125,11 @@ def bench_external(args: argparse.Namespace) -> dict[str, Any]:
     systems: dict[str, dict[str, Any]] = {"server": {"passes": []}}
     sampler = RssSampler(args.server_pid).start() if args.server_pid else None
     try:
-        targets, weights = [("server", args.url)], _weights_file(args)
-        _interleave(args, targets, systems, settings, args.rounds or 1, args.model, args.cache_dir, weights)
+        weights, rounds = _weights_file(args), args.rounds or 1
+        measure = _measures_bandwidth(args, weights)
+        for r in range(rounds):
+            systems["server"]["passes"].append(_one_pass("server", args.url, settings, r, rounds, measure))
+            _transformers_passes(args, systems, args.model, args.cache_dir, r, rounds)
     finally:
         if sampler is not None:
             sampler.stop()
@@ -171,22 +174,15 @@ def bench_managed(args: argparse.Namespace) -> dict[str, Any]:
             cache_dir = str(Path(tmp) / "cache")  # the first start fills it; every later start is a cached one
             systems["tokenmill"]["startup_first_s"] = _time_first_start(args, cache_dir, log_dir)
         # without --model tokenmill serves the packaged GGUF, the very file given to the peer, the way users start it
-        servers = [ManagedServer(tokenmill_spec(free_port(), args.model, _tokenmill_extra(args), cache_dir), log_dir)]
+        specs = [tokenmill_spec(free_port(), args.model, _tokenmill_extra(args), cache_dir)]
         peers: dict[str, dict[str, str | None]] = {}
         if args.compare:
             for peer in args.peers:
-                servers.append(ManagedServer(_peer(args, peer, model_file), log_dir))
-                systems[servers[-1].spec.name] = {"passes": [], "startup_s": []}
-                peers[peer] = _peer_build(args, servers[-1].spec)
-        try:
-            settings = _start_all(servers, systems, settings, args.start_timeout)
-            targets = [(server.spec.name, server.url) for server in servers]
-            weights = model_file or _weights_file(args)
-            _interleave(args, targets, systems, settings, rounds, model_file, cache_dir, weights)
-        finally:
-            for server in servers:
-                server.stop()
-                systems[server.spec.name]["peak_rss_mb"] = server.peak_rss_mb
+                specs.append(_peer(args, peer, model_file))
+                systems[specs[-1].name] = {"passes": [], "startup_s": []}
+                peers[peer] = _peer_build(args, specs[-1])
+        weights = model_file or _weights_file(args)
+        settings = _interleave(args, specs, systems, settings, rounds, model_file, cache_dir, weights, log_dir)
         if args.compare:
             _long_prefills(args, systems, settings, rounds, model_file, cache_dir, log_dir)
     return _results(args, settings, systems, model_file, weights, peers)
@@ -306,54 +302,76 @@ def _time_first_start(args: argparse.Namespace, cache_dir: str, log_dir: Path) -
         return server.start(args.start_timeout)
 
 
-def _start_all(
-    servers: list[ManagedServer], systems: dict[str, dict[str, Any]], settings: LoadSettings, timeout_s: float
-) -> LoadSettings:
-    """Start every server (one after the other), then fix the EOS ids from the first that reports them."""
-    for server in servers:
-        progress(f"starting {server.spec.name}: {shlex.join(server.spec.argv)}")
-        systems[server.spec.name]["startup_s"].append(server.start(timeout_s))
-    if settings.eos_ids is None:
-        settings = dataclasses.replace(settings, eos_ids=load.served_eos_ids(servers[0].url, settings))
-    return settings
-
-
 def _interleave(
     args: argparse.Namespace,
-    targets: list[tuple[str, str]],
+    specs: list[ServerSpec],
     systems: dict[str, dict[str, Any]],
     settings: LoadSettings,
     rounds: int,
     model_file: str | None,
     cache_dir: str | None,
     weights_file: str | None,
-) -> None:
-    """Round after round, each system in turn while the others stay idle: A B (C ...) A B (C ...). Where there is a
-    GGUF file's bytes to set a limit with (and no --no-bandwidth), each server's pass measures the memory read
-    bandwidth just before and just after its single-stream runs (kept in the pass, see _pass_gb_s)."""
-    measure = not args.no_bandwidth and weights_file is not None and weights_file.endswith(".gguf")
+    log_dir: Path,
+) -> LoadSettings:
+    """Round after round, each system in turn while the others stay idle, one way and then back: A B C, C B A. Each
+    pass runs on a server started for it and stopped after it, alone on the machine (two servers of one program
+    started side by side ran the same steps 9% apart, the first started the slower: decision 0039), so every pass
+    also times a start. Returns `settings` with the EOS ids the first server reported."""
+    measure = _measures_bandwidth(args, weights_file)
+    prefills = settings.prefill_tokens
     if args.compare:  # a llama.cpp peer's slots are too small for the longer prompts: _long_prefills times them all
-        fitting = tuple(n for n in settings.prefill_tokens if n <= _slot_prompt_limit(args))
-        settings = dataclasses.replace(settings, prefill_tokens=fitting)
+        prefills = tuple(n for n in prefills if n <= _slot_prompt_limit(args))
     for r in range(rounds):
-        for name, url in targets:
-            systems[name]["passes"].append(_one_pass(name, url, settings, r, rounds, measure))
-        for dtype in args.hf_dtype if args.transformers else ():
-            progress(f"round {r + 1}/{rounds}: transformers {dtype} (in a subprocess)")
+        for spec in specs if r % 2 == 0 else specs[::-1]:
+            system = systems[spec.name]
+            if r == 0:  # each system's command, once
+                progress(f"starting {spec.name}: {shlex.join(spec.argv)}")
+            server = ManagedServer(spec, log_dir)
             try:
-                figures = hf_baseline.run_in_subprocess(
-                    dtype,
-                    model_file,
-                    cache_dir,
-                    args.max_tokens,
-                    args.hf_batch,
-                    args.single_runs or SINGLE_RUNS,
-                    timeout_s=1800,
-                )
-            except (RuntimeError, subprocess.TimeoutExpired) as exc:  # the servers' figures still stand
-                progress(f"transformers {dtype} left out: {exc}")
-                continue
-            systems.setdefault(HF_NAMES[dtype], {"passes": []})["passes"].append(figures)
+                system["startup_s"].append(server.start(args.start_timeout))
+                if settings.eos_ids is None:
+                    settings = dataclasses.replace(settings, eos_ids=load.served_eos_ids(server.url, settings))
+                fitting = dataclasses.replace(settings, prefill_tokens=prefills)
+                system["passes"].append(_one_pass(spec.name, server.url, fitting, r, rounds, measure))
+            finally:
+                server.stop()
+                system["peak_rss_mb"] = larger(system.get("peak_rss_mb"), server.peak_rss_mb)
+        _transformers_passes(args, systems, model_file, cache_dir, r, rounds)
+    return settings
+
+
+def _measures_bandwidth(args: argparse.Namespace, weights_file: str | None) -> bool:
+    """Whether each server's pass measures the memory read bandwidth just before and just after its single-stream
+    runs (kept in the pass, see _pass_gb_s): where there is a GGUF file's bytes to set a limit with, unless
+    --no-bandwidth."""
+    return not args.no_bandwidth and weights_file is not None and weights_file.endswith(".gguf")
+
+
+def _transformers_passes(
+    args: argparse.Namespace,
+    systems: dict[str, dict[str, Any]],
+    model_file: str | None,
+    cache_dir: str | None,
+    r: int,
+    rounds: int,
+) -> None:
+    """With --transformers, a round of each --hf-dtype baseline, each in a subprocess of its own."""
+    for dtype in args.hf_dtype if args.transformers else ():
+        progress(f"round {r + 1}/{rounds}: transformers {dtype} (in a subprocess)")
+        try:
+            figures = hf_baseline.run_in_subprocess(
+                dtype,
+                model_file,
+                cache_dir,
+                args.max_tokens,
+                args.hf_batch,
+                args.single_runs or SINGLE_RUNS,
+                timeout_s=1800,
+            )
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:  # the servers' figures still stand
+            progress(f"transformers {dtype} left out: {exc}")
+            continue
+        systems.setdefault(HF_NAMES[dtype], {"passes": []})["passes"].append(figures)
 
 
 def _pass_gb_s(one_pass: dict[str, Any]) -> list[float]:

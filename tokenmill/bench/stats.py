@@ -82,6 +82,11 @@ def summarize_single(results: Sequence[RequestResult]) -> dict[str, Any]:
     }
 
 
+def larger(a: float | None, b: float | None) -> float | None:
+    """The larger of two figures either of which may be missing: a peak kept over several servers' runs."""
+    return b if a is None else a if b is None else max(a, b)
+
+
 def median_of_rounds(rounds: Sequence[dict[str, float | None]]) -> dict[str, float | None]:
     """Each figure's median over the rounds that produced it (None where no round did)."""
     keys = list(dict.fromkeys(k for r in rounds for k in r))

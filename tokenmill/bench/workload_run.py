@@ -27,6 +27,7 @@ from tokenmill.bench.llama_server import ensure_llama_server, llama_server_spec
 from tokenmill.bench.load import LoadSettings
 from tokenmill.bench.report import progress
 from tokenmill.bench.servers import ManagedServer, ServerSpec, free_port, tokenmill_spec
+from tokenmill.bench.stats import larger
 from tokenmill.bench.workloads import Workload
 
 DEFAULT_CONCURRENCY = (16,)  # the single stream is always run; the issue of many clients is the 16-client level
@@ -92,7 +93,7 @@ def run_workload(args: argparse.Namespace, settings: LoadSettings, rounds: int, 
                         drafts.append(load.run(_spec_stats(server.url, settings)))
                 finally:
                     server.stop()
-                    systems[spec.name]["peak_rss_mb"] = _larger(systems[spec.name]["peak_rss_mb"], server.peak_rss_mb)
+                    systems[spec.name]["peak_rss_mb"] = larger(systems[spec.name]["peak_rss_mb"], server.peak_rss_mb)
     names = list(systems)
     return {
         "settings": settings,
@@ -141,10 +142,6 @@ def _summed_stats(passes: list[dict[str, Any]]) -> dict[str, Any]:
             per_position[i] += n
     figures["accepted_per_position"] = per_position or None
     return figures
-
-
-def _larger(a: float | None, b: float | None) -> float | None:
-    return b if a is None else a if b is None else max(a, b)
 
 
 def _named(spec: ServerSpec, name: str) -> ServerSpec:
