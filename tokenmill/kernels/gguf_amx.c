@@ -70,6 +70,7 @@ typedef struct {
     uint16_t colsb[16];
     uint8_t rows[16];
 } tile_config;
+_Static_assert(sizeof(tile_config) == 64, "ldtilecfg reads 64 bytes");
 
 /* The tile shapes are per thread: each thread of the team loads them before its first product */
 void amx_configure(void) {
@@ -79,7 +80,9 @@ void amx_configure(void) {
     c.colsb[SUM0] = c.colsb[SUM1] = 4 * GROUP, c.rows[SUM0] = c.rows[SUM1] = TILE_ROWS;
     c.colsb[X0] = c.colsb[X1] = 32, c.rows[X0] = c.rows[X1] = TILE_ROWS;
     c.colsb[W0] = c.colsb[W1] = 64, c.rows[W0] = c.rows[W1] = 8;
-    _tile_loadconfig(&c);
+    /* not _tile_loadconfig: GCC 12's declares only the config's first 8 bytes as what it reads, so the compiler may
+     * drop the stores of the rest, and ldtilecfg then faults on stale stack bytes; this operand is all 64 */
+    __asm__ volatile("ldtilecfg %0" ::"m"(c));
 }
 
 /* Sub-block i's codes decoded into out + 512 i: packed_vector's eight vectors, Q4_0's and Q5_0's less their offset */
