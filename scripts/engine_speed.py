@@ -54,6 +54,7 @@ def main() -> None:
             dtype=args.dtype,
             quantization=args.quantization,
             greedy_head=not args.no_greedy_head,
+            speculative="off",  # the plain decode step is what this times
         )
     )
     core, tok = engine.core, engine.tokenizer

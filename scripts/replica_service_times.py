@@ -33,7 +33,12 @@ def main() -> None:
     parser.add_argument("--prefill-tokens", type=int, default=512, help="prompt length of the prefill timing")
     parser.add_argument("--rounds", type=int, default=3, help="repeats of each timing (the median is kept)")
     args = parser.parse_args()
-    config = Config(model=(args.model,) if args.model else (), threads=args.threads, max_num_batched_tokens=2048)
+    config = Config(
+        model=(args.model,) if args.model else (),
+        threads=args.threads,
+        max_num_batched_tokens=2048,
+        speculative="off",  # the plain steps' times are what the replica model takes
+    )
     engine = load_engine(config)
     core = engine.core
     ban = {i: -100.0 for i in engine.tokenizer.eos_ids}

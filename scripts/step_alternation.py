@@ -123,7 +123,7 @@ def main() -> None:
         cold_probe()
     if not args.off:
         return
-    engine = load_engine(Config(model=(args.model,) if args.model else (), dtype="bfloat16"))
+    engine = load_engine(Config(model=(args.model,) if args.model else (), dtype="bfloat16", speculative="off"))
     tok = engine.tokenizer
     ban = {i: -100.0 for i in tok.eos_ids}
     prompts = [tok.encode(f"Question {i}: the capital of France is") for i in range(args.batch)]

@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    engine = load_engine(Config())
+    engine = load_engine(Config(speculative="off"))  # a grammar's cost per plain step
     core, tok = engine.core, engine.tokenizer
     prompt = tok.encode('Write a story as JSON: {"story": "')
     guide = json_schema_guide(SCHEMA)

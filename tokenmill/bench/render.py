@@ -38,12 +38,15 @@ INTRO = """\
 <!-- Rendered by `python -m tokenmill.bench.render` from docs/bench/*.json: change those, not this page. -->
 
 Each table is one `tokenmill bench --compare` run. tokenmill and each peer serve the same GGUF file and take the
-same requests, each pass on a server started for it, alone on the machine: greedy, with the end-of-sequence token banned, 128 tokens
-each (unless the command under the table sets `--max-tokens`). The figures are the single-stream decode speed and
-time to first token (TTFT); the aggregate speed, latency and TTFT at N concurrent clients; peak resident memory
-(RSS); and start-up times, the first on an empty cache directory. Each figure is the median over rounds that run the
-servers in turn, one way and then back (A B, B A), so that the machine's drift between minutes falls on all of them alike. The ratio columns
-divide tokenmill's figure by the peer's: above 1 is better for tok/s, below 1 for times and memory.
+same requests, each pass on a server started for it, alone on the machine: greedy, with the end-of-sequence token
+banned, 128 tokens each (unless the command under the table sets `--max-tokens`), tokenmill with `--speculative off`
+as the peers run without their lookup decoding (the workload tables measure speculation). The figures are the
+single-stream decode speed and time to first token (TTFT); the aggregate speed, latency and TTFT at N concurrent
+clients; peak resident memory (RSS); and start-up times, the first on an empty cache directory. Each figure is the
+median over rounds that run the servers in turn, one way and then back (A B, B A), so that the machine's drift
+between minutes falls on all of them alike. The ratio columns divide tokenmill's figure by the peer's: above 1 is
+better for tok/s, below 1 for times and memory. Standard runs dated before 2026-12-07 kept every server up for the
+whole run and took them in the same order each round (A B, A B).
 
 A table headed by a workload is one `tokenmill bench --workload` run instead: speculative decoding on that
 workload's prompts, tokenmill with it and without, and llama-server with its lookup decoding and without (the flags

@@ -234,7 +234,12 @@ def _long_prefills(
 
 
 def _tokenmill_extra(args: argparse.Namespace) -> list[str]:
-    return [*(["--dtype", args.dtype] if args.dtype else []), *shlex.split(args.tokenmill_args)]
+    """tokenmill's flags in the standard run: speculation off unless --tokenmill-args names it, since this run
+    measures the decode step against the peers' plain decoding (--workload measures speculation, beside
+    llama-server's own)."""
+    given = shlex.split(args.tokenmill_args)
+    named = any(word.split("=")[0] in ("--speculative", "--speculative-config") for word in given)
+    return [*(["--dtype", args.dtype] if args.dtype else []), *([] if named else ["--speculative", "off"]), *given]
 
 
 def _synthetic_file(args: argparse.Namespace) -> Path:
