@@ -76,10 +76,13 @@ def test_stats_count_the_steps_and_tokens_of_a_request(client: TestClient) -> No
     after = client.get("/stats").json()
     usage = out["usage"]
     assert (usage["prompt_tokens"], usage["completion_tokens"]) == (15, 7)  # <bos> + 14 bytes
-    # one prefill step samples the first token, then one decode step per further token;
-    # the last token sampled is never fed back, so it is never computed
-    assert after["steps"] - before["steps"] == 7
-    assert after["tokens_computed"] - before["tokens_computed"] == 15 + 7 - 1
+    # one prefill step samples the first token, then one decode step per further token, less a step for each draft
+    # token kept (speculation is on by default); the last token sampled is never fed back, so it is never computed,
+    # and each draft token refused was computed for nothing
+    kept = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    refused = after["spec_draft_tokens"] - before["spec_draft_tokens"] - kept
+    assert after["steps"] - before["steps"] == 7 - kept
+    assert after["tokens_computed"] - before["tokens_computed"] == 15 + 7 - 1 + refused
     assert (after["num_running"], after["num_used_blocks"]) == (0, 0)
     assert after["weight_bytes_per_token"] == before["weight_bytes_per_token"] > 0  # the model's, not a counter
 

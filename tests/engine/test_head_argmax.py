@@ -31,7 +31,9 @@ REQUESTS = {
 
 def gguf_core(tmp_path: Path) -> EngineCore:
     path = write_tiny_gguf(tmp_path / "mixed.gguf", quantize=MIXED)
-    return load_engine_core(Config(model=str(path), cache_dir=str(tmp_path / "cache"), max_num_seqs=16)).core
+    # plain steps: a drafted step would give a lone row several rows, off the lone greedy row's path
+    config = Config(model=str(path), cache_dir=str(tmp_path / "cache"), max_num_seqs=16, speculative="off")
+    return load_engine_core(config).core
 
 
 def outputs(core: EngineCore) -> dict[str, list[tuple[int, list[int]]]]:
@@ -106,7 +108,7 @@ def test_a_lone_greedy_row_decodes_the_same_from_the_heads_6_bit_copy(
     monkeypatch.setattr(ops, "greedy_answer", watched_answer)
     tokens: dict[bool, dict[str, list[int]]] = {}
     for copy in (True, False):
-        config = Config(model=str(path), cache_dir=str(tmp_path / "cache"), greedy_head=copy)
+        config = Config(model=str(path), cache_dir=str(tmp_path / "cache"), greedy_head=copy, speculative="off")
         core = load_engine_core(config).core
         assert (core.runner.model.lm_head.high6 is not None) == copy
         tokens[copy] = {}
@@ -131,7 +133,7 @@ def test_a_decode_row_whose_copy_cannot_answer_takes_the_full_pass_and_rests_the
         core.add_request("r", [2, 5, 9, 14, 3], params)
         return [t for o in run_all(core)["r"] for d in o.deltas for t in d.token_ids]
 
-    config = Config(model=str(path), cache_dir=str(tmp_path / "cache"))
+    config = Config(model=str(path), cache_dir=str(tmp_path / "cache"), speculative="off")
     expected = tokens(load_engine_core(config).core)
     asked: list[bool] = []
     step = ops.decoder_forward

@@ -44,8 +44,11 @@ def test_every_layer_of_a_gguf_model_takes_the_c_path_and_its_logits_equal_the_m
 
 
 def _greedy_run(model: torch.nn.Module) -> dict[str, list[object]]:
-    """Four requests at once through the engine: chunked prefill beside decodes, prompts past the sliding window."""
-    config = Config(dtype="bfloat16", block_size=4, num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=16)
+    """Four requests at once through the engine: chunked prefill beside decodes, prompts past the sliding window.
+    Plain steps: drafts follow timed step costs, so two runs of the paths compared here would take different steps."""
+    config = Config(
+        dtype="bfloat16", block_size=4, num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=16, speculative="off"
+    )
     core = build_engine_core(model, tiny_tokenizer(), config)  # type: ignore[arg-type]
     for i, prompt in enumerate(PROMPTS):
         core.add_request(f"r{i}", prompt, SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True))
@@ -53,8 +56,11 @@ def _greedy_run(model: torch.nn.Module) -> dict[str, list[object]]:
 
 
 def _tokens_and_logprobs(outs: list[RequestOutput]) -> list[object]:
-    """A request's outputs as what the comparisons check: each delta's token ids, and each token's logprob and top."""
-    return [(d.token_ids, [(t.logprob, t.top) for t in d.logprobs or []]) for o in outs for d in o.deltas]
+    """A request's outputs as what the comparisons check: each token, with its logprob and top; not how the tokens
+    fell into deltas (a step that keeps a draft gives several at once)."""
+    tokens = [t for o in outs for d in o.deltas for t in d.token_ids]
+    logprobs = [(t.logprob, t.top) for o in outs for d in o.deltas for t in d.logprobs or []]
+    return [tokens, logprobs]
 
 
 def test_engine_steps_in_c_equal_the_modules_token_for_token_and_logprob_for_logprob(
@@ -64,7 +70,7 @@ def test_engine_steps_in_c_equal_the_modules_token_for_token_and_logprob_for_log
     in_c = _greedy_run(native_model(path, tmp_path / "cache"))
     monkeypatch.setattr(Gemma3DecoderLayer, "c_layer", False)
     modules = _greedy_run(native_model(path, tmp_path / "cache"))
-    assert sum(len(ids) for deltas in in_c.values() for ids, _ in deltas) == 12 * len(PROMPTS)  # type: ignore[misc]
+    assert sum(len(tokens) for tokens, _ in in_c.values()) == 12 * len(PROMPTS)
     assert in_c == modules
 
 
@@ -181,7 +187,14 @@ def test_a_prompts_last_token_in_a_step_of_64k_plus_1_rows_gets_its_own_numbers(
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True)
 
     def run(with_load: bool) -> tuple[list[object], list[int]]:
-        config = Config(dtype="bfloat16", block_size=4, num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=256)
+        config = Config(
+            dtype="bfloat16",
+            block_size=4,
+            num_kv_blocks=256,
+            max_num_seqs=8,
+            max_num_batched_tokens=256,
+            speculative="off",
+        )
         core = build_engine_core(model, tiny_tokenizer(), config)
         step_rows: list[int] = []
         core.step_observers.append(lambda report: step_rows.append(report.num_tokens))
@@ -264,7 +277,13 @@ def test_a_long_context_decodes_the_same_alone_as_beside_others(tmp_path: Path) 
     rng = random.Random(1)
     long_prompts = [[2, *rng.choices(range(4, 500), k=n)] for n in (chunk + 40, 2 * chunk + 3)]
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True)
-    config = Config(dtype="bfloat16", block_size=16, num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=1024)
+    config = Config(
+        dtype="bfloat16",
+        block_size=16,
+        num_kv_blocks=256,
+        max_num_seqs=8,
+        max_num_batched_tokens=1024,
+    )
     alone = {}
     for i, prompt in enumerate(long_prompts):
         core = build_engine_core(model, tiny_tokenizer(), config)
