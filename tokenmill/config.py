@@ -96,7 +96,7 @@ class Config:
         " while it is built",
     )
     speculative: str = _opt(
-        "ngram",
+        "off",
         "draftless speculative decoding: ngram guesses a stream's next tokens from text it has seen (prompt"
         " lookup) and the model checks them in the step that computes its next token (the same tokens, more a step,"
         " and only where that pays); suffix also from the finished requests of the same API key; off checks none",

@@ -66,12 +66,12 @@ def _other_value(field: dataclasses.Field[Any]) -> Any:
     if isinstance(default, tuple):
         return {"kv_cache_weights": (2.0,)}.get(field.name, ("some-key",))
     if isinstance(default, str):
-        others = {"log_level": "debug", "host": "0.0.0.0", "log_format": "json", "speculative": "off"}
+        others = {"log_level": "debug", "host": "0.0.0.0", "log_format": "json", "speculative": "ngram"}
         return others.get(field.name, default + "-other")
     if field.name.startswith("rate_limit_"):
         return "10/min"
     if field.name == "speculative_config":  # the same tokens with drafts as without
-        return '{"method": "off"}'
+        return '{"method": "ngram"}'
     counts = ("max_model_len", "num_kv_blocks", "threads", "replicas", "min_replicas", "max_replicas")
     return 7 if field.name in (*counts, "target_ongoing_requests") else "/elsewhere/model.gguf"
 
