@@ -77,7 +77,7 @@ def test_stats_count_the_steps_and_tokens_of_a_request(client: TestClient) -> No
     usage = out["usage"]
     assert (usage["prompt_tokens"], usage["completion_tokens"]) == (15, 7)  # <bos> + 14 bytes
     # one prefill step samples the first token, then one decode step per further token, less a step for each draft
-    # token kept (speculation is on by default); the last token sampled is never fed back, so it is never computed,
+    # token kept (where speculation is on); the last token sampled is never fed back, so it is never computed,
     # and each draft token refused was computed for nothing
     kept = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
     refused = after["spec_draft_tokens"] - before["spec_draft_tokens"] - kept

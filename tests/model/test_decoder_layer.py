@@ -277,13 +277,7 @@ def test_a_long_context_decodes_the_same_alone_as_beside_others(tmp_path: Path) 
     rng = random.Random(1)
     long_prompts = [[2, *rng.choices(range(4, 500), k=n)] for n in (chunk + 40, 2 * chunk + 3)]
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True)
-    config = Config(
-        dtype="bfloat16",
-        block_size=16,
-        num_kv_blocks=256,
-        max_num_seqs=8,
-        max_num_batched_tokens=1024,
-    )
+    config = Config(dtype="bfloat16", block_size=16, num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=1024)
     alone = {}
     for i, prompt in enumerate(long_prompts):
         core = build_engine_core(model, tiny_tokenizer(), config)
