@@ -83,6 +83,18 @@ class Config:
     kv_cache_weights: tuple[float, ...] = _opt(
         (), "how several models share --kv-cache-mb: one weight per --model, in order; default: evenly"
     )
+    kv_cache_ram_gb: float | None = _opt(
+        None,
+        "memory for prefix-cache blocks evicted from the KV cache, in GiB, brought back instead of recomputed when a"
+        " prompt starts with them (0: none); shared by the models as --kv-cache-mb is; default: a quarter of the"
+        " memory available at start, at most 4",
+    )
+    kv_cache_dir: str | None = _opt(
+        None,
+        "a folder where prefix-cache blocks are also written, so that they outlive RAM and restarts (each model and"
+        " KV format in a folder of its own inside it); default: no disk tier",
+    )
+    kv_cache_disk_gb: float = _opt(10.0, "most disk the --kv-cache-dir files of one model take, in GiB")
     max_num_seqs: int = _opt(64, "most sequences decoded in one step")
     max_num_batched_tokens: int = _opt(512, "token budget of one engine step (prefill chunks + decodes)")
     max_num_prefills: int = _opt(
@@ -225,6 +237,8 @@ class Config:
         count = max(len(self.model), 1)
         if len(self.served_model_name) > count:
             raise ConfigError(f"{len(self.served_model_name)} served model names for {count} model(s)")
+        if (self.kv_cache_ram_gb is not None and self.kv_cache_ram_gb < 0) or self.kv_cache_disk_gb < 0:
+            raise ConfigError("kv_cache_ram_gb and kv_cache_disk_gb must not be negative")
         if self.kv_cache_weights and (len(self.kv_cache_weights) != count or min(self.kv_cache_weights) <= 0):
             raise ConfigError(f"kv_cache_weights needs {count} positive weight(s), one per model")
 
@@ -305,10 +319,18 @@ class Config:
                     model=(path,) if path else (),
                     served_model_name=(name,) if name else (),
                     kv_cache_mb=max(1, int(self.kv_cache_mb * weights[i] / sum(weights))),
+                    kv_cache_ram_gb=self.ram_tier_gb * weights[i] / sum(weights),
                     kv_cache_weights=(),
                 )
             )
         return configs
+
+    @property
+    def ram_tier_gb(self) -> float:
+        """--kv-cache-ram-gb, or its default: a quarter of the memory available now, at most 4 GiB."""
+        if self.kv_cache_ram_gb is not None:
+            return self.kv_cache_ram_gb
+        return min(4.0, available_memory_gb() / 4)
 
     @property
     def weight_quantization(self) -> str:
@@ -320,6 +342,18 @@ class Config:
 
     def with_overrides(self, **changes: Any) -> Config:
         return replace(self, **changes)
+
+
+def available_memory_gb() -> float:
+    """MemAvailable from /proc/meminfo, in GiB (0 where there is none to read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / (1 << 20)
+    except OSError:
+        pass
+    return 0.0
 
 
 @dataclass(frozen=True)

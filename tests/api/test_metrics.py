@@ -149,6 +149,32 @@ def test_speculation_counters_are_the_engines() -> None:
     )
 
 
+def test_prefix_cache_tiers_have_series_per_tier(tmp_path: Any) -> None:
+    """A prompt whose blocks were evicted comes back from RAM; its first blocks were written to disk too."""
+    core = tiny_core(block_size=4, num_kv_blocks=24, kv_cache_ram_gb=0.01, kv_cache_dir=str(tmp_path))
+    engine = AsyncEngine(core, TINY_MODEL, "fp_tiny")
+    prompt = "a prompt long enough to fill a good few blocks of four tokens each"
+    with TestClient(create_app([engine], Config())) as client:
+        usage_of(client, {"prompt": prompt, "max_tokens": 2})
+        for word in ("one", "two", "three"):
+            usage_of(
+                client, {"prompt": f"{word}: other text that takes the cache's blocks for itself", "max_tokens": 2}
+            )
+        usage = usage_of(client, {"prompt": prompt, "max_tokens": 2})
+        core.blocks.tiers.disk.flush(30.0)
+        stats = client.get("/stats").json()
+        samples = scrape(client)
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 4 * stats["kv_ram_hits"] > 0
+    for tier in ("ram", "disk"):
+        m = {"model": TINY_MODEL, "tier": tier}
+        assert value(samples, "tokenmill_kv_tier_bytes", **m) == stats[f"kv_{tier}_bytes"] > 0
+        assert value(samples, "tokenmill_kv_tier_capacity_bytes", **m) == stats[f"kv_{tier}_capacity_bytes"] > 0
+        assert value(samples, "tokenmill_kv_tier_hits_total", **m) == stats[f"kv_{tier}_hits"]
+        assert value(samples, "tokenmill_kv_tier_written_bytes_total", **m) == stats[f"kv_bytes_to_{tier}"] > 0
+        assert value(samples, "tokenmill_kv_tier_read_bytes_total", **m) == stats[f"kv_bytes_from_{tier}"]
+    assert stats["kv_disk_written"] > 0
+
+
 def test_the_suffix_store_is_per_api_key_and_its_memory_is_a_gauge() -> None:
     """A key's second request is drafted from its first; another key's same request is not."""
     engine = AsyncEngine(drafting_core(speculative="suffix"), TINY_MODEL, "fp_tiny")

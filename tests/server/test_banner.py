@@ -25,7 +25,7 @@ from tokenmill.kernels import ops
 from tokenmill.server.banner import banner, url_of
 from tokenmill.server.load import load_engine_core
 
-DESCRIPTION = EngineDescription("bfloat16", "gguf", 4096, ("fused", "gguf_matmul"))
+DESCRIPTION = EngineDescription("bfloat16", "gguf", 4096, ("fused", "gguf_matmul"), 1 << 30, "/var/kv/ab12", 5 << 30)
 KEY = "sk-banner-secret"
 
 
@@ -36,7 +36,8 @@ def test_the_banner_names_the_url_each_model_and_what_it_runs_on() -> None:
     lines = text.splitlines()
     assert lines[0] == "tokenmill is serving on http://127.0.0.1:8000"
     assert lines[1] == (
-        "  tiny: bfloat16; gguf weights; context 512 tokens; KV cache 4096 tokens; C kernels: fused, gguf_matmul"
+        "  tiny: bfloat16; gguf weights; context 512 tokens; KV cache 4096 tokens;"
+        " prefix cache tiers: RAM 1.0 GiB, disk 5.0 GiB in /var/kv/ab12; C kernels: fused, gguf_matmul"
     )
     assert lines[2] == "  fake-model: context 128 tokens"  # an engine that does not describe itself
     assert [m["model"] for m in fields["models"]] == ["tiny", "fake-model"]

@@ -28,6 +28,17 @@ def test_the_description_gives_the_kv_capacity_in_tokens() -> None:
     assert (description.dtype, description.quantization) == ("float32", "none")
 
 
+def test_the_description_names_the_prefix_cache_tiers(tmp_path: Path) -> None:
+    config = Config(dtype="float32", kv_cache_ram_gb=0.5, kv_cache_dir=str(tmp_path), kv_cache_disk_gb=2)
+    core = tiny_core(kv_cache_ram_gb=0.5, kv_cache_dir=str(tmp_path), kv_cache_disk_gb=2)
+    description = describe(core, config)
+    assert description.kv_ram_bytes == 1 << 29 and description.kv_disk_bytes == 2 << 30
+    assert description.kv_disk_dir is not None and Path(description.kv_disk_dir).parent == tmp_path
+    core.close()
+    bare = describe(tiny_core(kv_cache_ram_gb=0), Config(dtype="float32", kv_cache_ram_gb=0))
+    assert (bare.kv_ram_bytes, bare.kv_disk_dir, bare.kv_disk_bytes) == (0, None, 0)
+
+
 def _int8_kernels() -> set[str]:
     config = Config(dtype="bfloat16", quantization="int8", **SMALL)  # type: ignore[arg-type]
     core = build_engine_core(tiny.tiny_model().to(torch.bfloat16), ByteTokenizer(), config)  # type: ignore[arg-type]

@@ -194,6 +194,16 @@ class EngineStatsCollector:
         ("tokenmill_spec_decode_num_store_drafts", "Drafts from the shared suffix store", "spec_store_drafts"),
     )
 
+    # the prefix cache's tiers (engine/kv_tiers.py), one series per tier: (name, doc, kind, its stat for ram and disk)
+    TIER_FAMILIES = (
+        ("tokenmill_kv_tier_bytes", "Prefix-cache blocks held in a tier, in bytes", "gauge", "{}_bytes"),
+        ("tokenmill_kv_tier_capacity_bytes", "A tier's budget (0: off)", "gauge", "{}_capacity_bytes"),
+        ("tokenmill_kv_tier_hits", "Prefix-cache blocks brought back from a tier", "counter", "{}_hits"),
+        ("tokenmill_kv_tier_evictions", "Blocks a tier dropped for room", "counter", "{}_evictions"),
+        ("tokenmill_kv_tier_written_bytes", "Bytes copied into a tier", "counter", "bytes_to_{}"),
+        ("tokenmill_kv_tier_read_bytes", "Bytes brought back from a tier", "counter", "bytes_from_{}"),
+    )
+
     def __init__(self, engines: Mapping[str, Engine]) -> None:
         self.engines = engines
 
@@ -216,7 +226,13 @@ class EngineStatsCollector:
                 if value is not None:
                     family.add_metric([model], value)
             for position, accepted in enumerate(stats.get("spec_accepted_per_position") or ()):
-                families[-1].add_metric([model, str(position)], accepted)
+                families[-1 - len(self.TIER_FAMILIES)].add_metric([model, str(position)], accepted)
+            tiers = families[len(families) - len(self.TIER_FAMILIES) :]
+            for family, (_, _, _, stat) in zip(tiers, self.TIER_FAMILIES):
+                for tier in ("ram", "disk"):
+                    value = stats.get("kv_" + stat.format(tier))
+                    if value is not None:
+                        family.add_metric([model, tier], value)
         return families
 
     def _families(self) -> list[GaugeMetricFamily | CounterMetricFamily]:
@@ -235,6 +251,9 @@ class EngineStatsCollector:
                 labels=["model", "position"],
             )
         )
+        for name, doc, kind, _ in self.TIER_FAMILIES:
+            family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            families.append(family(name, doc, labels=["model", "tier"]))
         return families
 
 

@@ -69,6 +69,25 @@ class EngineStats:
     spec_store_bytes: int = 0  # the memory they and their index take
     # the last SPEC_RESPONSES choices to end with speculation on, oldest first, each with its own drafts (spec_response)
     spec_responses: list[dict[str, Any]] = field(default_factory=list)
+    # the prefix cache's tiers (kv_tiers.TierStats, each name with kv_ before it): sizes now, then counters
+    kv_ram_bytes: int = 0
+    kv_ram_blocks: int = 0
+    kv_ram_capacity_bytes: int = 0
+    kv_disk_bytes: int = 0
+    kv_disk_blocks: int = 0
+    kv_disk_capacity_bytes: int = 0
+    kv_ram_hits: int = 0
+    kv_disk_hits: int = 0
+    kv_ram_saved: int = 0
+    kv_disk_written: int = 0
+    kv_disk_write_dropped: int = 0
+    kv_ram_evictions: int = 0
+    kv_disk_evictions: int = 0
+    kv_disk_discarded: int = 0
+    kv_bytes_to_ram: int = 0
+    kv_bytes_from_ram: int = 0
+    kv_bytes_to_disk: int = 0
+    kv_bytes_from_disk: int = 0
 
 
 class EngineCore:
@@ -502,6 +521,11 @@ class EngineCore:
             except Exception:  # an observer's bug must not fail the requests of the step it watched
                 log.exception("a step observer failed")
 
+    def close(self) -> None:
+        """At shutdown: the blocks queued for the disk tier written (bounded), its writer stopped."""
+        if self.blocks.tiers is not None:
+            self.blocks.tiers.close()
+
     def snapshot_stats(self) -> EngineStats:
         st = self.stats
         st.num_running = len(self.scheduler.running)
@@ -511,6 +535,9 @@ class EngineCore:
         st.num_preemptions = self.scheduler.num_preemptions
         if self.store is not None:
             st.spec_store_tokens, st.spec_store_bytes = self.store.tokens, self.store.nbytes()
+        if self.blocks.tiers is not None:
+            for name, value in vars(self.blocks.tiers.stats()).items():
+                setattr(st, f"kv_{name}", value)
         return EngineStats(
             **{
                 **vars(st),

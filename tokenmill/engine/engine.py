@@ -103,6 +103,7 @@ class AsyncEngine:
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._wakeup = threading.Event()
         self._stopping = False
+        self._closed = False  # the core closed (stop)
         self._ended = False  # set on the event loop once the step loop has ended and its waiters were failed
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Future[None] | None = None
@@ -123,6 +124,9 @@ class AsyncEngine:
         self._wakeup.set()
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
+        if not self._closed:  # the engine's thread owns the core: its last call closes it
+            self._closed = True
+            await asyncio.wrap_future(self._executor.submit(self.core.close))
         self._executor.shutdown(wait=True)
 
     def is_healthy(self) -> bool:

@@ -3,7 +3,9 @@
 The tensors themselves are plain per-layer (num_blocks * block_size, kv_heads, head_dim) buffers; this file only
 decides which slots a sequence owns. A full block of prompt tokens is remembered by a hash of its tokens chained with
 the previous block's hash, so a later prompt with the same prefix reuses the block instead of recomputing it. Freed
-blocks keep their hash until they are handed out again, so a cache hit can revive them.
+blocks keep their hash until they are handed out again, so a cache hit can revive them. Where the engine has tiers
+(kv_tiers.py), a cached block's KV is copied out before it is handed out again, and a prefix matched no further here
+goes on matching there.
 
 The hash is SHA-256, as vLLM's is: a collision would hand one prompt another's KV, so the key must be one no client can
 collide on purpose. A request's `cache_salt` starts its chain, so only requests with the same salt share blocks.
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.engine.kv_tiers import KVTiers
 from tokenmill.model.model_config import ModelConfig
 
 
@@ -68,9 +71,10 @@ class Allocation:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, tiers: KVTiers | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.tiers = tiers  # where cached blocks go when evicted, and come back from
         self.ref_counts = [0] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # oldest first
         # the free blocks that hold no cached prefix, handed out from the end (popitem): first the last freed, then
@@ -99,15 +103,27 @@ class BlockManager:
         Only blocks inside tokens[:-1] are matched: the last prompt token is always computed, since its logits are
         needed and its KV must not be written into a block another sequence shares.
         """
-        cached = self._match_prefix(tokens, hashes or PrefixHashes()) if use_cache else []
+        hashes = hashes or PrefixHashes()
+        cached = self._match_prefix(tokens, hashes) if use_cache else []
+        tiered = self._match_tiers(tokens, hashes, len(cached)) if use_cache else []
         fresh_needed = self.blocks_needed(len(tokens)) - len(cached)
         revived = sum(1 for b in cached if self.ref_counts[b] == 0)
         if fresh_needed > self.num_free - revived:
             return None
+        # fetched before fresh blocks are taken: taking them may evict cached blocks into RAM, and those the LRU
+        payloads = self.tiers.fetch(tiered) if self.tiers is not None and tiered else []
         for b in cached:
             self._take(b)
-        blocks = cached + [self._take_fresh() for _ in range(fresh_needed)]
-        return Allocation(blocks, len(cached) * self.block_size)
+        fresh = [self._take_fresh() for _ in range(fresh_needed)]
+        if payloads:
+            assert self.tiers is not None
+            loaded = fresh[: len(payloads)]
+            self.tiers.place(loaded, payloads)
+            for h, b in zip(tiered, loaded):
+                self._register(h, b)
+            cached += loaded
+            fresh = fresh[len(loaded) :]
+        return Allocation(cached + fresh, len(cached) * self.block_size)
 
     def _match_prefix(self, tokens: Seq[int], hashes: PrefixHashes) -> list[int]:
         matched: list[int] = []
@@ -117,6 +133,18 @@ class BlockManager:
                 break
             matched.append(block)
         return matched
+
+    def _match_tiers(self, tokens: Seq[int], hashes: PrefixHashes, start: int) -> list[bytes]:
+        """The chain hashes of the prompt's blocks after the first `start` that the tiers hold, in order."""
+        if self.tiers is None:
+            return []
+        found: list[bytes] = []
+        for i in range(start, (len(tokens) - 1) // self.block_size):
+            h = hashes.block(i, tokens, self.block_size)
+            if not self.tiers.has(h):
+                break
+            found.append(h)
+        return found
 
     def can_append(self) -> bool:
         return self.num_free > 0
@@ -142,13 +170,22 @@ class BlockManager:
         full. `first`: the blocks before it were registered by an earlier call (a decode step fills at most one)."""
         hashes = hashes or PrefixHashes()
         full = num_computed // self.block_size
+        new: list[tuple[bytes, int]] = []
         for i in range(first, full):
             h = hashes.block(i, tokens, self.block_size)
-            b = blocks[i]
-            if b not in self.block_to_hash and h not in self.hash_to_block:
-                self.hash_to_block[h] = b
-                self.block_to_hash[b] = h
+            if self._register(h, blocks[i]):
+                new.append((h, blocks[i]))
+        if new and self.tiers is not None:
+            self.tiers.registered([h for h, _ in new], [b for _, b in new])
         return full
+
+    def _register(self, h: bytes, block: int) -> bool:
+        """Offer a computed full block to the prefix cache under its chain hash; False where either is known."""
+        if block in self.block_to_hash or h in self.hash_to_block:
+            return False
+        self.hash_to_block[h] = block
+        self.block_to_hash[block] = h
+        return True
 
     def free_blocks(self, blocks: list[int]) -> None:
         for b in reversed(blocks):  # tail blocks first, so prefix blocks stay cached the longest
@@ -175,5 +212,7 @@ class BlockManager:
             old = self.block_to_hash.pop(block, None)
             if old is not None:
                 del self.hash_to_block[old]
+                if self.tiers is not None:
+                    self.tiers.evicted(old, block)
         self.ref_counts[block] = 1
         return block

@@ -73,3 +73,7 @@ class EngineDescription:
     quantization: str  # the weights' quantisation as run (a Hugging Face directory's "gguf" runs as int8)
     kv_cache_tokens: int  # KV-cache blocks x block size: how many tokens all running sequences can hold together
     kernels: tuple[str, ...]  # the C kernels this model's path calls; empty: torch only
+    # the prefix cache's tiers past the live cache: RAM's budget in bytes (0: none), the disk folder and its budget
+    kv_ram_bytes: int = 0
+    kv_disk_dir: str | None = None
+    kv_disk_bytes: int = 0

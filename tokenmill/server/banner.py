@@ -33,6 +33,9 @@ def model_facts(engine: Engine) -> dict[str, Any]:
             quantization=description.quantization,
             kv_cache_tokens=description.kv_cache_tokens,
             kernels=list(description.kernels),
+            kv_ram_bytes=description.kv_ram_bytes,
+            kv_disk_dir=description.kv_disk_dir,
+            kv_disk_bytes=description.kv_disk_bytes,
         )
     return facts
 
@@ -62,9 +65,18 @@ def _describe(facts: dict[str, Any]) -> str:
             "unquantised weights" if facts["quantization"] == "none" else f"{facts['quantization']} weights",
             *parts,
             f"KV cache {facts['kv_cache_tokens']} tokens",
+            _tiers(facts),
             f"C kernels: {kernels}",
         ]
     return f"{facts['model']}: " + "; ".join(parts)
+
+
+def _tiers(facts: dict[str, Any]) -> str:
+    """The prefix cache's tiers past the live cache: "prefix cache tiers: RAM 4.0 GiB, disk 10.0 GiB in DIR"."""
+    tiers = [f"RAM {facts['kv_ram_bytes'] / (1 << 30):.1f} GiB"] if facts["kv_ram_bytes"] else []
+    if facts["kv_disk_dir"]:
+        tiers.append(f"disk {facts['kv_disk_bytes'] / (1 << 30):.1f} GiB in {facts['kv_disk_dir']}")
+    return "prefix cache tiers: " + (", ".join(tiers) or "none")
 
 
 def log_banner(url: str, engines: Iterable[Engine], with_key: bool) -> None:

@@ -6,6 +6,8 @@ derived here from the settings: a model family's layers and activation decide wh
 
 from __future__ import annotations
 
+from typing import Any
+
 from tokenmill.config import Config
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.outputs import EngineDescription
@@ -20,4 +22,18 @@ def describe(core: EngineCore, config: Config) -> EngineDescription:
         quantization=config.weight_quantization,
         kv_cache_tokens=core.blocks.num_blocks * core.blocks.block_size,
         kernels=(*report.modules, *sampler_kernels(), *(("decoder_layer",) if report.decoder_layer else ())),
+        **tier_facts(core),
     )
+
+
+def tier_facts(core: EngineCore) -> dict[str, Any]:
+    """The prefix cache's tiers as built: RAM's budget, and the disk tier's folder and budget where it is on."""
+    tiers = core.blocks.tiers
+    if tiers is None:
+        return {}
+    disk = tiers.disk if tiers.disk is not None and tiers.disk.enabled else None
+    return {
+        "kv_ram_bytes": tiers.ram.capacity,
+        "kv_disk_dir": str(disk.folder) if disk else None,
+        "kv_disk_bytes": disk.capacity if disk else 0,
+    }

@@ -6,6 +6,7 @@ from __future__ import annotations
 from tokenmill.config import Config
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.kv_cache import BlockManager, kv_bytes_per_token
+from tokenmill.engine.kv_tiers import KVTiers
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.speculation import SpeculativeConfig
@@ -16,8 +17,9 @@ from tokenmill.tokenizer import Tokenizer
 DEFAULT_MAX_MODEL_LEN = 8192
 
 
-def build_engine_core(model: CausalLM, tokenizer: Tokenizer, config: Config) -> EngineCore:
-    """Sizes the KV cache from the config and wires the core's parts together (the model's linears are swapped)."""
+def build_engine_core(model: CausalLM, tokenizer: Tokenizer, config: Config, identity: str = "") -> EngineCore:
+    """Sizes the KV cache from the config and wires the core's parts together (the model's linears are swapped).
+    `identity` (the system fingerprint) names what the KV bytes depend on, for the prefix cache's disk tier."""
     prepare_linears(model, config.weight_quantization)
     cfg = model.config
     dtype = next(model.parameters()).dtype
@@ -26,9 +28,9 @@ def build_engine_core(model: CausalLM, tokenizer: Tokenizer, config: Config) -> 
     capacity = num_blocks * config.block_size
     model_len = cfg.max_position_embeddings
     max_model_len = min(config.max_model_len or min(model_len, DEFAULT_MAX_MODEL_LEN), model_len, capacity)
-    blocks = BlockManager(num_blocks, config.block_size)
-    scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens, config.max_num_prefills)
     runner = ModelRunner(model, cfg, num_blocks, config.block_size)
+    blocks = BlockManager(num_blocks, config.block_size, kv_tiers(runner, config, identity))
+    scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens, config.max_num_prefills)
     spec = config.speculative_settings()
     speculative = SpeculativeConfig(
         method=spec["method"],
@@ -40,3 +42,12 @@ def build_engine_core(model: CausalLM, tokenizer: Tokenizer, config: Config) -> 
         corpus=spec["suffix_corpus"],
     )
     return EngineCore(runner, tokenizer, blocks, scheduler, set(tokenizer.eos_ids), max_model_len, speculative)
+
+
+def kv_tiers(runner: ModelRunner, config: Config, identity: str) -> KVTiers | None:
+    """The prefix cache's RAM and disk tiers as the config sizes them; None where both are off."""
+    ram_bytes = int(config.ram_tier_gb * (1 << 30))
+    disk_bytes = int(config.kv_cache_disk_gb * (1 << 30)) if config.kv_cache_dir else 0
+    if ram_bytes <= 0 and disk_bytes <= 0:
+        return None
+    return KVTiers(runner.kv_caches, config.block_size, ram_bytes, config.kv_cache_dir, disk_bytes, identity)

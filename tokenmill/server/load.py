@@ -69,9 +69,10 @@ def load_engine_core(config: Config) -> LoadedEngine:
     loaded.state_dict, loaded.quantized = {}, {}  # the model holds what it uses; the rest can go
     if loaded.mapped is not None:  # the file's pages read to regroup blocks: the page cache keeps them, RSS need not
         unmap_file_pages(*loaded.mapped)
-    core = build_engine_core(model, tokenizer, config)
+    fingerprint = system_fingerprint(loaded.source_id, config)
+    core = build_engine_core(model, tokenizer, config, fingerprint)
     if not loaded.prepared and loaded.cache_entry is not None and quantization not in ("none", "gguf"):
         save_prepared(model.state_dict(), loaded.cache_entry, dtype, quantization)
     release_freed_memory()
     name = config.served_model_name[0] if config.served_model_name else loaded.name
-    return LoadedEngine(core, name, system_fingerprint(loaded.source_id, config), describe(core, config))
+    return LoadedEngine(core, name, fingerprint, describe(core, config))
