@@ -21,6 +21,7 @@ from tokenmill.engine.kv_cache import PrefixHashes
 from tokenmill.engine.kv_tiers import HEADER, BlockCopier, DiskTier, KVTiers, RamTier
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.sampling import SamplingParams
+from tokenmill.kernels import ops
 from tokenmill.server.engine_core import build_engine_core
 
 BLOCK = 4
@@ -61,11 +62,22 @@ def test_blocks_copy_out_and_back_exactly() -> None:
     copier = BlockCopier(caches, block_size=4)
     before = [(k[8:16].clone(), v[8:16].clone()) for k, v in caches]
     payloads = copier.read([2, 3])
-    assert payloads.shape == (2, copier.nbytes)
+    assert [p.shape for p in payloads] == [(copier.nbytes,)] * 2
     copier.write([6, 0], payloads)
     for (k, v), (k_old, v_old) in zip(caches, before):
         assert torch.equal(k[24:28], k_old[:4]) and torch.equal(k[0:4], k_old[4:])
         assert torch.equal(v[24:28], v_old[:4]) and torch.equal(v[0:4], v_old[4:])
+    with pytest.raises(ValueError, match="contiguous bytes"):
+        copier.write([1], [payloads[0][:-1]])
+
+
+def test_regions_copy_without_the_kernels_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ops, "library", lambda: None)
+    caches = kv_caches()
+    copier = BlockCopier(caches, block_size=4)
+    payloads = copier.read([5])
+    copier.write([1], payloads)
+    assert all(torch.equal(k[4:8], k[20:24]) and torch.equal(v[4:8], v[20:24]) for k, v in caches)
 
 
 def test_the_ram_tier_drops_the_least_recently_used_past_its_budget() -> None:

@@ -75,6 +75,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.tiers = tiers  # where cached blocks go when evicted, and come back from
+        self._evicted: list[tuple[bytes, int]] = []  # cached blocks just handed out again, their KV not yet spilled
         self.ref_counts = [0] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # oldest first
         # the free blocks that hold no cached prefix, handed out from the end (popitem): first the last freed, then
@@ -115,6 +116,7 @@ class BlockManager:
         for b in cached:
             self._take(b)
         fresh = [self._take_fresh() for _ in range(fresh_needed)]
+        self._spill()
         if payloads:
             assert self.tiers is not None
             loaded = fresh[: len(payloads)]
@@ -150,7 +152,9 @@ class BlockManager:
         return self.num_free > 0
 
     def append_block(self) -> int:
-        return self._take_fresh()
+        block = self._take_fresh()
+        self._spill()
+        return block
 
     def fork(self, blocks: list[int], num_tokens: int) -> tuple[list[int], tuple[int, int] | None]:
         """Share a sequence's full blocks with a child; its partial last block is copied: returns (src, dst)."""
@@ -161,6 +165,7 @@ class BlockManager:
         if full == len(blocks):
             return shared, None
         dst = self._take_fresh()
+        self._spill()
         return shared + [dst], (blocks[full], dst)
 
     def register_full_blocks(
@@ -201,6 +206,14 @@ class BlockManager:
             self.blank.pop(block, None)
         self.ref_counts[block] += 1
 
+    def _spill(self) -> None:
+        """The KV of the cached blocks just handed out again copied to the tiers, in one pass, before anything
+        writes into those blocks."""
+        if self._evicted:
+            assert self.tiers is not None
+            self.tiers.evicted([h for h, _ in self._evicted], [b for _, b in self._evicted])
+            self._evicted.clear()
+
     def _take_fresh(self) -> int:
         """A free block for new tokens: the last freed one that holds no cached prefix, else (every free block holds
         one) the least recently freed cached prefix, evicted."""
@@ -213,6 +226,6 @@ class BlockManager:
             if old is not None:
                 del self.hash_to_block[old]
                 if self.tiers is not None:
-                    self.tiers.evicted(old, block)
+                    self._evicted.append((old, block))
         self.ref_counts[block] = 1
         return block

@@ -12,8 +12,8 @@ dtype and shapes, the block size) and the block's chain hash (which starts from 
 model or another KV format is never found for this one, and two salts never share.
 
 Files: `<dir>/<format key, 16 hex>/<block key>.kvb`, a header (magic, version, format key, block key, payload length,
-CRC-32 of the payload) and the block's KV, written to a temporary name and renamed into place, so that a reader finds
-a whole file or none. A file that is short, fails its CRC or names another format or key is deleted where it is found
+its XXH3-64 checksum) and the block's KV, written to a temporary name and renamed into place, so that a reader finds
+a whole file or none. A file that is short, fails its checksum or names another format or key is deleted where it is found
 and counts as a miss. At start the folder is listed, temporary files a killed process left are removed, and the budget
 is enforced, least recently written out first; while running, each write enforces it. A write that fails (a full or
 read-only disk) turns the disk tier off with one warning: requests carry on with RAM alone.
@@ -27,12 +27,12 @@ import os
 import queue
 import struct
 import threading
-import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import xxhash
 
 from tokenmill.kernels import ops
 
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"TMKV"
 VERSION = 1
-HEADER = struct.Struct("<4sI32s32sQI")  # magic, version, format key, block key, payload bytes, CRC-32 of the payload
+HEADER = struct.Struct("<4sI32s32sQQ")  # magic, version, format key, block key, payload bytes, its XXH3-64
 SUFFIX = ".kvb"
 WRITE_QUEUE = 256  # blocks waiting for the disk writer; past this a block is not written (counted, never waited for)
 
@@ -70,37 +70,38 @@ class TierStats:
 
 
 class BlockCopier:
-    """Whole blocks of the live cache as flat byte payloads: every layer's keys, then its values."""
+    """Whole blocks of the live cache as flat byte payloads, one tensor each: every layer's keys, then its values.
+    A block of a layer's keys (or values) is one region of the cache tensor, so a payload is 2 x layers regions,
+    all moved in one call (ops.copy_regions)."""
 
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int) -> None:
-        self.caches = kv_caches
-        self.block_size = block_size
-        k0 = kv_caches[0][0]
-        self.token_bytes = k0[0].numel() * k0.element_size()  # one layer's keys (or values) of one token
-        self.nbytes = 2 * len(kv_caches) * block_size * self.token_bytes
+        tensors = [t for pair in kv_caches for t in pair]
+        if not all(t.is_contiguous() for t in tensors):
+            raise ValueError("the KV cache tensors must be contiguous")
+        self.caches = kv_caches  # kept alive as long as the addresses below are used
+        k0 = tensors[0]
+        self.region = block_size * k0[0].numel() * k0.element_size()  # one layer's keys (or values) of one block
+        self.planes = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)  # (2 x layers,)
+        self.nbytes = len(tensors) * self.region
 
-    def _slots(self, blocks: list[int]) -> torch.Tensor:
-        offsets = torch.arange(self.block_size)
-        return (torch.tensor(blocks).unsqueeze(1) * self.block_size + offsets).reshape(-1)  # (n * block_size,)
+    def _in_cache(self, blocks: list[int]) -> torch.Tensor:
+        return torch.tensor(blocks, dtype=torch.int64).unsqueeze(1) * self.region + self.planes  # (n, 2 x layers)
 
-    def read(self, blocks: list[int]) -> torch.Tensor:
-        """(n, nbytes) uint8: each block's payload, a copy."""
-        slots, n = self._slots(blocks), len(blocks)
-        out = torch.empty(n, 2 * len(self.caches), self.block_size * self.token_bytes, dtype=torch.uint8)
-        for i, pair in enumerate(self.caches):
-            for j, cache in enumerate(pair):
-                rows = cache.index_select(0, slots).view(torch.uint8)  # (n * block_size, kv_heads, bytes)
-                out[:, 2 * i + j] = rows.reshape(n, -1)
-        return out.reshape(n, -1)
+    def _in_payloads(self, payloads: list[torch.Tensor]) -> torch.Tensor:
+        if any(p.numel() != self.nbytes or p.dtype != torch.uint8 or not p.is_contiguous() for p in payloads):
+            raise ValueError(f"a block's payload is {self.nbytes} contiguous bytes")
+        starts = torch.tensor([p.data_ptr() for p in payloads], dtype=torch.int64).unsqueeze(1)
+        return starts + torch.arange(len(self.planes), dtype=torch.int64) * self.region  # (n, 2 x layers)
 
-    def write(self, blocks: list[int], payloads: torch.Tensor) -> None:
-        """Each block's slots from its payload (n, nbytes), as read() gave it."""
-        slots, n = self._slots(blocks), len(blocks)
-        parts = payloads.reshape(n, 2 * len(self.caches), -1)
-        for i, pair in enumerate(self.caches):
-            for j, cache in enumerate(pair):
-                rows = parts[:, 2 * i + j].reshape(n * self.block_size, -1).view(cache.dtype)
-                cache.index_copy_(0, slots, rows.reshape(-1, *cache.shape[1:]))
+    def read(self, blocks: list[int]) -> list[torch.Tensor]:
+        """Each block's payload, a copy of its own."""
+        payloads = [torch.empty(self.nbytes, dtype=torch.uint8) for _ in blocks]
+        ops.copy_regions(self._in_cache(blocks), self._in_payloads(payloads), self.region)
+        return payloads
+
+    def write(self, blocks: list[int], payloads: list[torch.Tensor]) -> None:
+        """Each block's slots from its payload, as read() gave it."""
+        ops.copy_regions(self._in_payloads(payloads), self._in_cache(blocks), self.region)
 
 
 class RamTier:
@@ -206,12 +207,16 @@ class DiskTier:
     def get(self, key: bytes, nbytes: int) -> torch.Tensor | None:
         """The block's payload, checked; None where it is missing or damaged (a damaged file is deleted)."""
         path = self.path(key)
+        payload = torch.empty(nbytes, dtype=torch.uint8)
         try:
-            data = path.read_bytes()
+            with open(path, "rb") as f:
+                header = f.read(HEADER.size)
+                whole = self._header_fits(header, key, nbytes) and f.readinto(payload.numpy().data) == nbytes
+                whole = whole and not f.read(1)
         except OSError:
             self._forget(key)
             return None
-        if not self._valid(data, key, nbytes):
+        if not whole or xxhash.xxh3_64_intdigest(payload.numpy().data) != HEADER.unpack(header)[5]:
             log.warning("KV cache file %s is damaged or of another format: deleted", path.name)
             self.discarded += 1
             self._forget(key)
@@ -220,15 +225,13 @@ class DiskTier:
         with self._lock:
             if key in self.index:
                 self.index.move_to_end(key)
-        return torch.frombuffer(bytearray(data[HEADER.size :]), dtype=torch.uint8)
+        return payload
 
-    def _valid(self, data: bytes, key: bytes, nbytes: int) -> bool:
-        if len(data) != HEADER.size + nbytes:
+    def _header_fits(self, header: bytes, key: bytes, nbytes: int) -> bool:
+        if len(header) != HEADER.size:
             return False
-        magic, version, format_key, file_key, length, crc = HEADER.unpack_from(data)
-        payload = memoryview(data)[HEADER.size :]
-        same = (magic, version, format_key, file_key, length) == (MAGIC, VERSION, self.format_key, key, nbytes)
-        return same and zlib.crc32(payload) == crc
+        magic, version, format_key, file_key, length, _ = HEADER.unpack(header)
+        return (magic, version, format_key, file_key, length) == (MAGIC, VERSION, self.format_key, key, nbytes)
 
     def _forget(self, key: bytes) -> None:
         with self._lock:
@@ -248,8 +251,8 @@ class DiskTier:
                 self._queue.task_done()
 
     def _write(self, key: bytes, payload: torch.Tensor) -> None:
-        data = payload.numpy().tobytes()
-        header = HEADER.pack(MAGIC, VERSION, self.format_key, key, len(data), zlib.crc32(data))
+        data = payload.numpy().data  # the tensor's own bytes, not a copy
+        header = HEADER.pack(MAGIC, VERSION, self.format_key, key, len(data), xxhash.xxh3_64_intdigest(data))
         path = self.path(key)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         try:
@@ -346,18 +349,21 @@ class KVTiers:
         key = self.key(chain_hash)
         return key in self.ram or (self.disk is not None and key in self.disk)
 
-    def evicted(self, chain_hash: bytes, block: int) -> None:
-        """A cached block of the live cache is about to be handed out again: its KV goes to RAM first."""
+    def evicted(self, chain_hashes: list[bytes], blocks: list[int]) -> None:
+        """Cached blocks of the live cache about to be handed out again: their KV goes to RAM first."""
         if self.ram.capacity <= 0:
             return
-        key = self.key(chain_hash)
-        if key in self.ram:
-            self.ram.get(key)
+        fresh = []
+        for h, b in zip(chain_hashes, blocks):
+            key = self.key(h)
+            if self.ram.get(key) is None:
+                fresh.append((key, b))
+        if not fresh:
             return
-        payload = self.copier.read([block])[0]
-        self.ram.put(key, payload)
-        self.counts.ram_saved += 1
-        self.counts.bytes_to_ram += payload.numel()
+        for (key, _), payload in zip(fresh, self.copier.read([b for _, b in fresh])):
+            self.ram.put(key, payload)
+            self.counts.ram_saved += 1
+            self.counts.bytes_to_ram += payload.numel()
 
     def registered(self, chain_hashes: list[bytes], blocks: list[int]) -> None:
         """Blocks the live cache just registered: written to disk behind the engine (where there is a disk tier)."""
@@ -396,7 +402,7 @@ class KVTiers:
 
     def place(self, blocks: list[int], payloads: list[torch.Tensor]) -> None:
         """Fetched payloads copied into fresh live blocks, one each."""
-        self.copier.write(blocks, torch.stack(payloads))
+        self.copier.write(blocks, payloads)
 
     def stats(self) -> TierStats:
         c, ram, disk = self.counts, self.ram, self.disk

@@ -55,6 +55,7 @@ SOURCES = [
         "gelu.c",
         "decoder_layer.c",
         "token_splits.c",
+        "copy_regions.c",
     )
 ]
 KERNELS_H = HERE / "kernels.h"  # the prototypes and limits C and Python share
@@ -103,6 +104,7 @@ SIGNATURES: dict[str, tuple[CType | None, list[CType]]] = {
         _INT,
         [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _F32, _F32, _PTR, _INT],
     ),
+    "copy_regions": (None, [_PTR, _PTR, _I64, _I64, _INT]),
     "argmax_available": (_INT, []),
     "argmax_rows": (_INT, [_PTR, _I64, _I64, _PTR, _INT]),
     "gelu_mul_available": (_INT, []),

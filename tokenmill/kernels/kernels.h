@@ -70,6 +70,9 @@ int paged_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache
                     const int64_t *slots, const int64_t *offset, const int64_t *count, int64_t rows, int64_t hq,
                     int64_t hkv, int64_t d, float scale, float softcap, uint16_t *out, int threads);
 
+/* regions i of `bytes` bytes from address src[i] to dst[i], none overlapping (copy_regions.c; always compiled in) */
+void copy_regions(const int64_t *src, const int64_t *dst, int64_t count, int64_t bytes, int threads);
+
 int argmax_available(void);
 int argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out, int threads);
 

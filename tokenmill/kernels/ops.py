@@ -269,6 +269,20 @@ def _gated(kernel: str, gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def copy_regions(src: torch.Tensor, dst: torch.Tensor, nbytes: int) -> None:
+    """Region i of `nbytes` bytes copied from address src[i] to dst[i] (int64 tensors of addresses, regions apart):
+    one C call (copy_regions.c), or one memmove each without the kernels."""
+    src, dst = src.reshape(-1).contiguous(), dst.reshape(-1).contiguous()
+    if src.dtype != torch.int64 or dst.dtype != torch.int64 or src.numel() != dst.numel():
+        raise ValueError("copy_regions: src and dst must be int64 addresses, as many of each")
+    lib = library()
+    if lib is None:
+        for s, d in zip(src.tolist(), dst.tolist()):
+            ctypes.memmove(d, s, nbytes)
+        return
+    lib.copy_regions(src.data_ptr(), dst.data_ptr(), src.numel(), nbytes, torch.get_num_threads())
+
+
 def argmax_rows(x: torch.Tensor) -> list[int]:
     """torch.argmax(x, dim=-1).tolist() for (rows, n) float32 logits: the C pass (argmax.c) where it compiled."""
     if not (argmax_available() and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous()):
