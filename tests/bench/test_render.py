@@ -144,3 +144,45 @@ def test_the_committed_page_is_what_the_committed_runs_render() -> None:
     assert readme == render.with_summary(readme, render.summary(runs)), (
         "README.md's figures are stale: run `python -m tokenmill.bench.render`"
     )
+
+
+def prefix_tiers_run(machine: dict[str, object], working: bool) -> dict[str, object]:
+    run = bench_run(machine, {"tokenmill": TOKENMILL}, "2026-12-07T10:00:00Z", 25.0)
+    meta = dict(run["meta"])  # type: ignore[arg-type]
+    meta.update(command="python scripts/prefix_tiers.py --json docs/bench/", peers={})
+    meta["prefix_tiers"] = {"prefix_tokens": 4000, "live_tokens": 6000, "rounds": 3}
+    restart = {
+        "cold": {"ttft_s": 4.0, "cached_tokens": 0, "samples": 4},
+        "live": {"ttft_s": 0.1, "cached_tokens": 4000, "samples": 3},
+        "ram": {"ttft_s": 0.12, "cached_tokens": 4000, "samples": 3},
+        "disk": {"ttft_s": 0.2, "cached_tokens": 4000, "samples": 2},
+    }
+    sets = {
+        "tiers": {"hit_rate": 0.98, "round_s": [19.0, 1.0, 0.9], "working_set_tokens": 24000},
+        "no tiers": {"hit_rate": 0.0, "round_s": [18.0, 17.5, 17.0], "working_set_tokens": 24000},
+    }
+    return {"meta": meta, "restart": restart, "working_set": sets if working else {}}
+
+
+def test_a_prefix_tiers_run_gets_its_own_tables_after_the_standard_runs(tmp_path: Path) -> None:
+    write_runs(tmp_path / "bench")
+    (tmp_path / "bench" / "amd-epyc-zen4-avx512-2c--x--prefix-tiers.json").write_text(
+        json.dumps(prefix_tiers_run(ZEN4, working=True))
+    )
+    runs = render.load_runs(tmp_path / "bench")
+    page = render.render(runs)
+    section = page[page.index("### gemma-3-270m-q4_k_m.gguf, prefix cache tiers") :]
+    assert page.index("| figure |") < page.index("prefix cache tiers\n")
+    assert cells(section, "from the RAM tier") == ["from the RAM tier", "120 ms", "3.0%", "4,000", "3"]
+    assert cells(section, "from the disk tier, after a restart")[2] == "5.0%"
+    assert cells(section, "tiers") == ["tiers", "98.0%", "19.0 s, 1.0 s, 0.9 s"]
+    assert "`python scripts/prefix_tiers.py --json docs/bench/`" in section
+    assert "prefix cache" not in render.summary(runs)  # the README's table holds the standard runs alone
+
+
+def test_a_prefix_tiers_run_without_a_working_set_has_the_ttft_table_alone(tmp_path: Path) -> None:
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "run--prefix-tiers.json").write_text(json.dumps(prefix_tiers_run(ZEN4, working=False)))
+    page = render.render(render.load_runs(tmp_path / "bench"))
+    section = page[page.index("prefix cache tiers\n") :]
+    assert cells(section, "cold")[1:3] == ["4,000 ms", "100.0%"] and "prefix hit rate" not in section

@@ -53,6 +53,10 @@ workload's prompts, tokenmill with it and without, and llama-server with its loo
 under the table), each taking every prompt once as a single stream, then the concurrent clients. Its ratio columns
 divide the speculating tokenmill's figures by each other system's.
 
+A table headed by prefix cache tiers is one `scripts/prefix_tiers.py` run: tokenmill alone, a long prefix's time to
+first token cold and from each tier of its prefix cache (the disk tier's after a restart), and the prefix hit rate of
+a working set four times larger than the live KV cache, with the tiers and without.
+
 How to run it and what each figure means: [benchmarking](benchmarking.md).
 """
 
@@ -79,9 +83,14 @@ def render(runs: Sequence[tuple[str, dict[str, Any]]]) -> str:
 
 def machine_section(runs: Sequence[dict[str, Any]]) -> str:
     lines = [f"## {_machine_name(runs[0]['meta']['machine'])}", "", machine_line(runs), ""]
-    for results in sorted(runs, key=lambda results: "workload" in results["meta"]):  # the standard runs first
-        lines += [run_section(results), ""]
+    for results in sorted(runs, key=lambda results: _run_order(results["meta"])):
+        lines += [prefix_tiers_section(results) if "prefix_tiers" in results["meta"] else run_section(results), ""]
     return "\n".join(lines)
+
+
+def _run_order(meta: dict[str, Any]) -> int:
+    """The standard runs first, then the --workload ones, then the prefix cache's."""
+    return 2 if "prefix_tiers" in meta else 1 if "workload" in meta else 0
 
 
 def machine_line(runs: Sequence[dict[str, Any]]) -> str:
@@ -107,6 +116,46 @@ def run_section(results: dict[str, Any]) -> str:
     lines += [f"`{meta['command']}`", "", provenance(meta)]
     if results.get("notes"):
         lines += ["", "Notes:", "", *(f"- {note}" for note in results["notes"])]
+    return "\n".join(lines)
+
+
+def prefix_tiers_section(results: dict[str, Any]) -> str:
+    """A scripts/prefix_tiers.py run: a long prefix's time to first token from each tier, and a working set's hit
+    rate with tiers and without."""
+    meta, settings = results["meta"], results["meta"]["prefix_tiers"]
+    restart = results["restart"]
+    cold = restart["cold"]["ttft_s"]
+    names = {
+        "cold": "cold",
+        "live": "from the live cache",
+        "ram": "from the RAM tier",
+        "disk": "from the disk tier, after a restart",
+    }
+    lines = [f"### {meta['model']}, prefix cache tiers", ""]
+    lines += [_row([f"a {settings['prefix_tokens']:,}-token prefix", "TTFT", "÷ cold", "cached tokens", "servers"])]
+    lines += [_row(["---", "---:", "---:", "---:", "---:"])]
+    for name, figure in restart.items():
+        ttft = figure["ttft_s"]
+        cells = [names.get(name, name), f"{ttft * 1e3:,.0f} ms", f"{ttft / cold:.1%}", f"{figure['cached_tokens']:,}"]
+        lines.append(_row([*cells, str(figure["samples"])]))
+    working = results.get("working_set") or {}
+    if working:
+        size = next(iter(working.values()))["working_set_tokens"]
+        lines += ["", _row([f"{size:,} tokens of prefixes, round after round", "prefix hit rate", "each round"])]
+        lines.append(_row(["---", "---:", "---:"]))
+        for name, result in working.items():
+            rounds = ", ".join(f"{s:.1f} s" for s in result["round_s"])
+            lines.append(_row([name, f"{result['hit_rate']:.1%}", rounds]))
+    lines += [
+        "",
+        f"Each TTFT is the median over servers started in turn on one disk folder (the disk figure: all but the first)."
+        f" The live KV cache holds {settings['live_tokens']:,} tokens"
+        + ("; the hit rate is cached ÷ prompt tokens over the rounds after the first." if working else "."),
+        "",
+        f"`{meta['command']}`",
+        "",
+        provenance(meta),
+    ]
     return "\n".join(lines)
 
 
@@ -139,7 +188,7 @@ def provenance(meta: dict[str, Any]) -> str:
 def summary(runs: Sequence[tuple[str, dict[str, Any]]]) -> str:
     """The README's table: per machine kind, model and peer, tokenmill's headline figures against the peer's (from
     the standard runs, not the --workload ones)."""
-    runs = [(name, results) for name, results in runs if "workload" not in results["meta"]]
+    runs = [(name, results) for name, results in runs if _run_order(results["meta"]) == 0]
     concurrency = max(max(results["meta"]["table_concurrency"]) for _, results in runs)
     headings = [heading.format(c=concurrency) for _, heading, _ in HEADLINE]
     lines = [_row(["machine", "model", "against", *headings]), _row(["---"] * (3 + len(headings)))]
