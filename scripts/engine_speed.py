@@ -3,6 +3,7 @@
 python scripts/engine_speed.py --dtype bfloat16 --batch 1 16 --tokens 64
 python scripts/engine_speed.py --batch 16 --bench-prompts --busy 0.3 1.5   # beside a process busy 0.3 ms in 1.8
 python scripts/engine_speed.py --batch 1 --context 2000    # decoding after a 2,000-token prompt
+python scripts/engine_speed.py --batch 16 --context 2000 --kv-cache-dtype int8 --kv-cache-mb 1024  # an 8-bit KV cache
 python scripts/engine_speed.py --batch 1 --no-greedy-head   # a lone greedy row's head read whole, not from its copy
 
 Besides the aggregate it prints where a step goes, as medians over the decode steps: the model's layers (the
@@ -45,6 +46,8 @@ def main() -> None:
     parser.add_argument("--no-amx", action="store_true", help="gguf_matmul without its AMX path (the same bits)")
     parser.add_argument("--no-greedy-head", action="store_true", help="no 6-bit copy of a Q8_0 head (the same tokens)")
     parser.add_argument("--busy", type=float, nargs=2, metavar=("ON_MS", "OFF_MS"), help="a busy process beside")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or int8")
+    parser.add_argument("--kv-cache-mb", type=int, default=512)
     args = parser.parse_args()
     if args.no_amx:
         ops.gguf_amx(False)
@@ -55,6 +58,9 @@ def main() -> None:
             quantization=args.quantization,
             greedy_head=not args.no_greedy_head,
             speculative="off",  # the plain decode step is what this times
+            kv_cache_dtype=args.kv_cache_dtype,
+            kv_cache_mb=args.kv_cache_mb,
+            kv_cache_ram_gb=0,
         )
     )
     core, tok = engine.core, engine.tokenizer

@@ -3,6 +3,8 @@ from __future__ import annotations
 import hashlib
 from array import array
 
+import pytest
+
 from tokenmill.engine.kv_cache import BlockManager, PrefixHashes
 
 
@@ -129,3 +131,11 @@ def test_cache_salt_separates_prefixes() -> None:
         bm.free_blocks(other.blocks)
     same = bm.allocate_prompt(prompt, True, PrefixHashes("tenant-a"))
     assert same is not None and same.num_cached_tokens == 12 and same.blocks[:3] == a.blocks[:3]
+
+
+def test_an_8bit_cache_is_refused_for_heads_it_cannot_cut_in_blocks_of_32() -> None:
+    from tests.engine.tiny import tiny_core
+    from tokenmill.engine.kv_cache import KVCacheFormatError
+
+    with pytest.raises(KVCacheFormatError, match="multiple of 32 values; this model's are 16"):
+        tiny_core(kv_cache_dtype="int8")  # the tiny model's heads are 16 wide

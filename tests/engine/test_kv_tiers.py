@@ -101,6 +101,17 @@ def test_an_evicted_prefix_comes_back_from_ram_with_the_same_tokens_and_logprobs
     assert stats.kv_ram_hits == cached // BLOCK and stats.kv_ram_saved > 0 and stats.kv_bytes_from_ram > 0
 
 
+def test_an_8bit_cache_s_rows_copy_as_bytes() -> None:
+    """An 8-bit cache's rows (codes, then float16 scales) are bytes like any other: a block goes out and back whole."""
+    torch.manual_seed(1)
+    caches = [(torch.randint(-127, 128, (32, 1, 36), dtype=torch.int8),) * 2 for _ in range(2)]
+    copier = BlockCopier(caches, block_size=4)  # type: ignore[arg-type]
+    assert copier.nbytes == 2 * 2 * 4 * 36
+    before = caches[1][0][8:12].clone()
+    copier.write([5], copier.read([2]))
+    assert torch.equal(caches[1][0][20:24], before)
+
+
 def test_without_tiers_the_evicted_prefix_is_computed_again() -> None:
     core = small_core(kv_cache_ram_gb=0)
     assert core.blocks.tiers is None

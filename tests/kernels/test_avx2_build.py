@@ -24,10 +24,15 @@ def avx2(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
 @pytest.mark.skipif(not ops.paged_attention_available(), reason="no native attention kernel here")
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(8, 2, 256), (6, 1, 64), (3, 3, 80)])
 @pytest.mark.parametrize("softcap", [0.0, 0.1])
-def test_attention(avx2: ctypes.CDLL, hq: int, hkv: int, d: int, softcap: float) -> None:
+@pytest.mark.parametrize("kv_int8", [0, 1])
+def test_attention(avx2: ctypes.CDLL, hq: int, hkv: int, d: int, softcap: float, kv_int8: int) -> None:
+    if kv_int8 and d % ops.KV_INT8_BLOCK:
+        pytest.skip("an 8-bit cache's rows are whole blocks of 32")
     gen = torch.Generator().manual_seed(d + hq)
     k_cache = torch.randn(600, hkv, d, generator=gen).to(BF16)
     v_cache = torch.randn(600, hkv, d, generator=gen).to(BF16)
+    if kv_int8:  # an 8-bit cache's rows: codes and scale
+        k_cache, v_cache = ops.kv_quantize_rows(k_cache), ops.kv_quantize_rows(v_cache)
     slots = torch.randperm(600, generator=gen)[:70]
     q = (torch.randn(5, hq, d, generator=gen) * 0.3).to(BF16)
     offset = torch.zeros(5, dtype=torch.int64)
@@ -35,7 +40,9 @@ def test_attention(avx2: ctypes.CDLL, hq: int, hkv: int, d: int, softcap: float)
     native = ops.paged_attention(q, k_cache, v_cache, slots, offset, count, d**-0.5, softcap)
     out = torch.empty_like(native)
     args = (q.data_ptr(), hq * d, k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), offset.data_ptr())
-    assert avx2.paged_attention(*args, count.data_ptr(), 5, hq, hkv, d, d**-0.5, softcap, out.data_ptr(), 2) == 0
+    assert (
+        avx2.paged_attention(*args, count.data_ptr(), 5, hq, hkv, d, d**-0.5, softcap, kv_int8, out.data_ptr(), 2) == 0
+    )
     assert torch.equal(native.view(torch.int16), out.view(torch.int16))
 
 
@@ -59,7 +66,7 @@ def test_attention_over_chunks_of_keys(avx2: ctypes.CDLL, hq: int, hkv: int, d: 
         qs, n = q[rows].contiguous(), count[rows]
         out = torch.empty_like(qs)
         args = (qs.data_ptr(), hq * d, k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), offset.data_ptr())
-        assert lib.paged_attention(*args, n.data_ptr(), len(n), hq, hkv, d, d**-0.5, 0.0, out.data_ptr(), 2) == 0
+        assert lib.paged_attention(*args, n.data_ptr(), len(n), hq, hkv, d, d**-0.5, 0.0, 0, out.data_ptr(), 2) == 0
         return out.view(torch.int16)
 
     native = ops.library()

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels import ops
-from tokenmill.model.attention import CHUNK, AttentionMetadata, paged_attention
+from tokenmill.model.attention import CHUNK, AttentionMetadata, dequantize_kv, paged_attention, quantize_kv
 
 HQ, HKV, D = 4, 1, 32
 SCALE = D**-0.5
@@ -169,3 +169,48 @@ def test_a_prompts_rows_taken_together_over_each_chunk_give_each_rows_bits_alone
             q[i : i + 1], k_cache, v_cache, slots, starts[i : i + 1], (ends - starts)[i : i + 1], d**-0.5
         )
         assert torch.equal(together[i], alone[0]), f"row {i}"
+
+
+def test_an_8bit_cache_row_is_codes_and_a_half_scale_per_32_the_same_in_c_and_torch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(40, 2, 64, generator=gen) * torch.rand(40, 2, 64, generator=gen) * 3).to(torch.bfloat16)
+    x[3, 1, :32] = 0  # a block of zeros: codes 0, scale 0
+    x[4, 0, 5] = 200.0  # an outlier widens its own block's step only
+    rows = quantize_kv(x)
+    assert rows.shape == (40, 2, 68) and rows.dtype == torch.int8
+    scale = rows[..., 64:].contiguous().view(torch.float16).float()  # (40, 2, 2)
+    blocks = x.float().view(40, 2, 2, 32)
+    assert torch.equal(scale, (blocks.abs().amax(-1) / 127).to(torch.float16).float())
+    assert not rows[3, 1, :32].any() and scale[3, 1, 0] == 0
+    error = (dequantize_kv(rows).view(40, 2, 2, 32) - blocks).abs()
+    assert error.le(scale[..., None] * 0.51 + 1e-6).all()  # half a step, and the float16 scale's rounding
+    assert error[4, 0, 1].max() < 0.02  # the outlier's neighbour block keeps its fine step
+    if ops.library() is not None and ops.paged_attention_available():  # torch's arithmetic gives the C codes
+        monkeypatch.setattr(ops, "usable", lambda t: False)
+        assert torch.equal(quantize_kv(x), rows)
+
+
+@pytest.mark.parametrize("kernel", ["c", "torch"])
+def test_an_8bit_cache_attends_close_to_the_16bit_one(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _use(kernel, monkeypatch)
+    gen = torch.Generator().manual_seed(6)
+    hq, hkv, d = 4, 1, 256
+    k = torch.randn(300, hkv, d, generator=gen).to(torch.bfloat16)
+    v = torch.randn(300, hkv, d, generator=gen).to(torch.bfloat16)
+    q = (torch.randn(300, hq, d, generator=gen) * 0.2).to(torch.bfloat16)
+    slots = torch.randperm(512, generator=gen)[:300]
+    meta = AttentionMetadata(slots.tolist(), query_lens=[300], context_lens=[300], slots=slots, starts=[0])
+    bf16 = (torch.zeros(512, hkv, d, dtype=torch.bfloat16), torch.zeros(512, hkv, d, dtype=torch.bfloat16))
+    int8 = (torch.zeros(512, hkv, d + 16, dtype=torch.int8), torch.zeros(512, hkv, d + 16, dtype=torch.int8))
+    exact = paged_attention(q, k, v, bf16, meta, d**-0.5, None).float()
+    eight = paged_attention(q, k, v, int8, meta, d**-0.5, None).float()
+    assert bool(calls) == (kernel == "c")
+    assert (eight - exact).abs().max() < 0.05 and (eight - exact).abs().mean() < 0.005
+    if kernel == "torch":  # its float32 matmuls sum the dequantised products in an order that follows the shapes
+        return
+    # a row's bits alone are its bits in the prefill (the codes do not depend on the batch)
+    last = AttentionMetadata([int(slots[-1])], query_lens=[1], context_lens=[300], slots=slots, starts=[0])
+    alone = paged_attention(q[-1:], k[-1:], v[-1:], int8, last, d**-0.5, None)
+    assert torch.equal(alone.view(torch.int16), eight[-1:].to(torch.bfloat16).view(torch.int16))

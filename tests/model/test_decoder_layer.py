@@ -43,11 +43,17 @@ def test_every_layer_of_a_gguf_model_takes_the_c_path_and_its_logits_equal_the_m
     assert torch.equal(model.forward_dense(IDS), in_c)
 
 
-def _greedy_run(model: torch.nn.Module) -> dict[str, list[object]]:
+def _greedy_run(model: torch.nn.Module, kv_cache_dtype: str = "auto") -> dict[str, list[object]]:
     """Four requests at once through the engine: chunked prefill beside decodes, prompts past the sliding window.
     Plain steps: drafts follow timed step costs, so two runs of the paths compared here would take different steps."""
     config = Config(
-        dtype="bfloat16", block_size=4, num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=16, speculative="off"
+        dtype="bfloat16",
+        block_size=4,
+        num_kv_blocks=128,
+        max_num_seqs=8,
+        max_num_batched_tokens=16,
+        speculative="off",
+        kv_cache_dtype=kv_cache_dtype,
     )
     core = build_engine_core(model, tiny_tokenizer(), config)  # type: ignore[arg-type]
     for i, prompt in enumerate(PROMPTS):
@@ -63,15 +69,29 @@ def _tokens_and_logprobs(outs: list[RequestOutput]) -> list[object]:
     return [tokens, logprobs]
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_engine_steps_in_c_equal_the_modules_token_for_token_and_logprob_for_logprob(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    kv_cache_dtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = write_tiny_gguf(tmp_path / "mixed.gguf", quantize=MIXED)
-    in_c = _greedy_run(native_model(path, tmp_path / "cache"))
+    in_c = _greedy_run(native_model(path, tmp_path / "cache"), kv_cache_dtype)
     monkeypatch.setattr(Gemma3DecoderLayer, "c_layer", False)
-    modules = _greedy_run(native_model(path, tmp_path / "cache"))
+    modules = _greedy_run(native_model(path, tmp_path / "cache"), kv_cache_dtype)
     assert sum(len(tokens) for tokens, _ in in_c.values()) == 12 * len(PROMPTS)
     assert in_c == modules
+
+
+def test_an_8bit_cache_gives_each_request_its_own_numbers_alone_or_batched_close_to_16_bits(tmp_path: Path) -> None:
+    path = write_tiny_gguf(tmp_path / "mixed.gguf", quantize=MIXED)
+    batched = _greedy_run(native_model(path, tmp_path / "cache"), "int8")
+    for i, prompt in enumerate(PROMPTS):
+        config = Config(dtype="bfloat16", block_size=4, num_kv_blocks=128, speculative="off", kv_cache_dtype="int8")
+        core = build_engine_core(native_model(path, tmp_path / "cache"), tiny_tokenizer(), config)  # type: ignore[arg-type]
+        core.add_request("alone", prompt, SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True))
+        assert _tokens_and_logprobs(run_all(core)["alone"]) == batched[f"r{i}"]
+    bf16 = _greedy_run(native_model(path, tmp_path / "cache"))
+    first = [(batched[r][1][0][0], bf16[r][1][0][0]) for r in bf16]  # each request's first logprob, 8 and 16 bits
+    assert all(abs(a - b) < 0.05 for a, b in first), first
 
 
 def _counting_stack_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:

@@ -1,7 +1,8 @@
 """`system_fingerprint` changes when, and only when, something that can change outputs changes.
 
-What can: the model file's contents (its SHA-256), the compute dtype, the quantisation mode, tokenmill's version.
-Everything else in Config (where the file lies, ports, keys, limits, cache and batch sizes) must leave it alone.
+What can: the model file's contents (its SHA-256), the compute dtype, the quantisation mode, the KV cache's dtype,
+tokenmill's version. Everything else in Config (where the file lies, ports, keys, limits, cache and batch sizes) must
+leave it alone.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from tokenmill.server import fingerprint
 from tokenmill.server.fingerprint import system_fingerprint
 
 SOURCE = "a" * 64
-OUTPUT_FIELDS = {"dtype", "quantization"}
+OUTPUT_FIELDS = {"dtype", "quantization", "kv_cache_dtype"}
 
 
 def test_fingerprint_is_stable_and_short() -> None:
@@ -33,6 +34,7 @@ def test_fingerprint_is_stable_and_short() -> None:
         (SOURCE, Config(dtype="float32")),
         (SOURCE, Config(dtype="bfloat16", quantization="none")),
         (SOURCE, Config(dtype="bfloat16", quantization="int4")),
+        (SOURCE, Config(kv_cache_dtype="int8")),
     ],
 )
 def test_what_can_change_outputs_changes_the_fingerprint(source: str, config: Config) -> None:

@@ -22,19 +22,39 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.engine.kv_tiers import KVTiers
+from tokenmill.kernels import ops
 from tokenmill.model.model_config import ModelConfig
 
 
 def allocate_kv_tensors(
-    cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype
+    cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, kv_dtype: str = "auto"
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+    """Each layer's (keys, values), each (slots, KV heads, head_dim) of `dtype`, or with kv_dtype int8 (slots, KV
+    heads, int8_row_bytes) int8: a row's codes, then their float16 scales' bytes (attention.quantize_kv)."""
+    shape: tuple[int, ...] = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+    if kv_dtype == "int8":
+        shape, dtype = (*shape[:2], int8_row_bytes(cfg.head_dim)), torch.int8
     # empty, not zeros: untouched pages cost no memory, and attention only reads slots that were written
     return [(torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+class KVCacheFormatError(ValueError):
+    """The KV cache's dtype does not fit the model (an 8-bit cache's rows are whole blocks of 32 values)."""
+
+
+def int8_row_bytes(head_dim: int) -> int:
+    """An 8-bit cache row: a code per value and a float16 scale per KV_INT8_BLOCK of them, as llama.cpp's q8_0."""
+    if head_dim % ops.KV_INT8_BLOCK:
+        raise KVCacheFormatError(
+            f"--kv-cache-dtype int8 needs attention heads of a multiple of {ops.KV_INT8_BLOCK} values; this model's"
+            f" are {head_dim}"
+        )
+    return head_dim + 2 * head_dim // ops.KV_INT8_BLOCK
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, kv_dtype: str = "auto") -> int:
+    row = int8_row_bytes(cfg.head_dim) if kv_dtype == "int8" else cfg.head_dim * dtype.itemsize
+    return 2 * cfg.num_layers * cfg.num_kv_heads * row
 
 
 def block_hash(parent: bytes, tokens: Seq[int]) -> bytes:

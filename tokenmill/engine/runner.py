@@ -14,12 +14,14 @@ from tokenmill.model.model_config import ModelConfig
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cfg: ModelConfig, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, model: CausalLM, cfg: ModelConfig, num_blocks: int, block_size: int, kv_dtype: str = "auto"
+    ) -> None:
         self.model = model
         self.cfg = cfg
         self.block_size = block_size
         self.dtype = next(model.parameters()).dtype
-        self.kv_caches = allocate_kv_tensors(cfg, num_blocks, block_size, self.dtype)
+        self.kv_caches = allocate_kv_tensors(cfg, num_blocks, block_size, self.dtype, kv_dtype)
         self.head: tuple[torch.Tensor, HeadSummary | None] | None = None  # see forward
         self._block_slots = torch.arange(num_blocks * block_size).view(num_blocks, block_size)  # block → its slots
         self._slots_of: tuple[list[int], torch.Tensor] = ([], torch.empty(0, dtype=torch.int64))  # the last lookup

@@ -102,8 +102,9 @@ SIGNATURES: dict[str, tuple[CType | None, list[CType]]] = {
     "paged_attention_available": (_INT, []),
     "paged_attention": (
         _INT,
-        [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _F32, _F32, _PTR, _INT],
+        [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _F32, _F32, _INT, _PTR, _INT],
     ),
+    "kv_quantize_rows": (None, [_PTR, _I64, _I64, _PTR]),
     "copy_regions": (None, [_PTR, _PTR, _I64, _I64, _INT]),
     "argmax_available": (_INT, []),
     "argmax_rows": (_INT, [_PTR, _I64, _I64, _PTR, _INT]),

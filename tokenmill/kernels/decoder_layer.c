@@ -74,17 +74,25 @@ static int scratch_for(const decoder_layer_plan *p, int64_t t, layer_scratch *s)
 
 /* The step's k (rotated, in qk) and v (in qkv) rows to their cache slots (attention.py's index_copy_), then
  * attention of the rotated q rows into s->attn */
-static int attend(const decoder_layer_plan *p, const layer_scratch *s, int64_t t, uint16_t *k_cache, uint16_t *v_cache,
+static int attend(const decoder_layer_plan *p, const layer_scratch *s, int64_t t, void *k_cache, void *v_cache,
                   const int64_t *slot_mapping, const int64_t *slots, const int64_t *offset, const int64_t *count,
                   int threads) {
     const int64_t d = p->head_dim, hq = p->heads, hkv = p->kv_heads, heads = hq + hkv;
-    size_t row = (size_t)(hkv * d) * sizeof *s->h;
+    const size_t row = (size_t)(hkv * d) * sizeof *s->h;
+    const size_t slot = p->kv_int8 ? (size_t)(hkv * (d + 2 * d / KV_INT8_BLOCK)) : row; /* kv_quantize_rows' rows */
     for (int64_t r = 0; r < t; r++) {
-        memcpy(k_cache + slot_mapping[r] * hkv * d, s->qk + (r * heads + hq) * d, row);
-        memcpy(v_cache + slot_mapping[r] * hkv * d, s->qkv + r * p->qkv.n + heads * d, row);
+        const uint16_t *k = s->qk + (r * heads + hq) * d, *v = s->qkv + r * p->qkv.n + heads * d;
+        char *kc = (char *)k_cache + slot_mapping[r] * slot, *vc = (char *)v_cache + slot_mapping[r] * slot;
+        if (p->kv_int8) {
+            kv_quantize_rows(k, hkv, d, (int8_t *)kc);
+            kv_quantize_rows(v, hkv, d, (int8_t *)vc);
+        } else {
+            memcpy(kc, k, row);
+            memcpy(vc, v, row);
+        }
     }
     return paged_attention(s->qk, heads * d, k_cache, v_cache, slots, offset, count, t, hq, hkv, d, p->scale,
-                           p->softcap, s->attn, threads)
+                           p->softcap, p->kv_int8, s->attn, threads)
                ? -1
                : 0;
 }
@@ -100,7 +108,7 @@ static int attend(const decoder_layer_plan *p, const layer_scratch *s, int64_t t
 #endif
 
 int gemma3_layer(const decoder_layer_plan *p, const uint16_t *x, uint16_t *out, int64_t t, const uint16_t *cos,
-                 const uint16_t *signed_sin, uint16_t *k_cache, uint16_t *v_cache, const int64_t *slot_mapping,
+                 const uint16_t *signed_sin, void *k_cache, void *v_cache, const int64_t *slot_mapping,
                  const int64_t *slots, const int64_t *offset, const int64_t *count, int threads) {
     const int64_t hidden = p->hidden, ffn = p->ffn;
     layer_scratch s;
@@ -148,7 +156,7 @@ static void add_rows(const uint16_t *a, int64_t a_stride, const uint16_t *b, int
  * the step's k and v rows to their cache slots; a = paged_attention(q, ...); x = x + a @ Wo;
  * x = x + down(silu_mul(weighted_rms_norm(x, post_attention_norm) @ Wgate_up)). */
 int llama_layer(const decoder_layer_plan *p, const uint16_t *x, uint16_t *out, int64_t t, const uint16_t *cos,
-                const uint16_t *signed_sin, uint16_t *k_cache, uint16_t *v_cache, const int64_t *slot_mapping,
+                const uint16_t *signed_sin, void *k_cache, void *v_cache, const int64_t *slot_mapping,
                 const int64_t *slots, const int64_t *offset, const int64_t *count, int threads) {
     const int64_t hidden = p->hidden, ffn = p->ffn;
     layer_scratch s;

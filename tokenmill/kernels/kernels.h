@@ -66,9 +66,16 @@ int gguf_greedy_row(const uint16_t *x, int64_t k, const uint8_t *high6, const ui
 int gguf_amx(int enable);
 
 int paged_attention_available(void);
-int paged_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+/* kv_int8: the caches hold each (slot, KV head) row as d int8 codes, then a float16 scale for each KV_INT8_BLOCK of
+ * them (d + 2 d / KV_INT8_BLOCK bytes, kv_quantize_rows; d a multiple of KV_INT8_BLOCK); else d bf16 values */
+#define KV_INT8_BLOCK 32
+int paged_attention(const uint16_t *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                     const int64_t *slots, const int64_t *offset, const int64_t *count, int64_t rows, int64_t hq,
-                    int64_t hkv, int64_t d, float scale, float softcap, uint16_t *out, int threads);
+                    int64_t hkv, int64_t d, float scale, float softcap, int kv_int8, uint16_t *out, int threads);
+/* `heads` rows of d bf16 values (src) to int8 cache rows (dst): per block of KV_INT8_BLOCK, scale = max |x| / 127 as
+ * float16, code = x / scale rounded to nearest even (0 where the scale is 0); the codes, then the scales (a stub
+ * that writes nothing where paged_attention is not compiled in) */
+void kv_quantize_rows(const uint16_t *src, int64_t heads, int64_t d, int8_t *dst);
 
 /* regions i of `bytes` bytes from address src[i] to dst[i], none overlapping (copy_regions.c; always compiled in) */
 void copy_regions(const int64_t *src, const int64_t *dst, int64_t count, int64_t bytes, int threads);
@@ -99,24 +106,25 @@ typedef struct {
 } gguf_linear;
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, ffn;
-    float eps, scale, softcap, unused;
+    float eps, scale, softcap;
+    int32_t kv_int8; /* the caches hold int8 rows (paged_attention's kv_int8); set for each step's caches */
     const float *input_norm, *post_attention_norm, *pre_feedforward_norm, *post_feedforward_norm, *qk_factor;
     const uint16_t *qkv_bias;
     gguf_linear qkv, o, gate_up, down;
 } decoder_layer_plan;
 int64_t decoder_layer_plan_bytes(void);
 int gemma3_layer(const decoder_layer_plan *p, const uint16_t *x, uint16_t *out, int64_t t, const uint16_t *cos,
-                 const uint16_t *signed_sin, uint16_t *k_cache, uint16_t *v_cache, const int64_t *slot_mapping,
+                 const uint16_t *signed_sin, void *k_cache, void *v_cache, const int64_t *slot_mapping,
                  const int64_t *slots, const int64_t *offset, const int64_t *count, int threads);
 int llama_layer(const decoder_layer_plan *p, const uint16_t *x, uint16_t *out, int64_t t, const uint16_t *cos,
-                const uint16_t *signed_sin, uint16_t *k_cache, uint16_t *v_cache, const int64_t *slot_mapping,
+                const uint16_t *signed_sin, void *k_cache, void *v_cache, const int64_t *slot_mapping,
                 const int64_t *slots, const int64_t *offset, const int64_t *count, int threads);
 /* decoder_stack: every layer of a step, each as gemma3_layer or llama_layer; a layer's kind picks its cos / sin and key
  * lists among the step's (ops.StackLayer and ops.StackKinds mirror these two) */
 #define STACK_KINDS 2
 typedef struct {
     const decoder_layer_plan *plan;
-    uint16_t *k_cache, *v_cache;
+    void *k_cache, *v_cache;
     int64_t kind;
 } stack_layer;
 typedef struct {

@@ -38,6 +38,7 @@ from tokenmill.kernels import build
 _LIMITS = build.header_defines()  # kernels.h: the C side's limits, read rather than copied
 MAX_HEAD_DIM = _LIMITS["MAX_HEAD_DIM"]  # norm_rotary's stack buffer
 MAX_ATTENTION_HEAD_DIM = _LIMITS["MAX_ATTENTION_HEAD_DIM"]  # paged_attention's register tile
+KV_INT8_BLOCK = _LIMITS["KV_INT8_BLOCK"]  # an 8-bit KV cache row's codes per float16 scale
 ATTENTION_KEY_CHUNK = _LIMITS["ATTENTION_KEY_CHUNK"]  # paged_attention's keys per chunk of a longer row
 INT8_MATMUL_TILE = _LIMITS["INT8_MATMUL_TILE"]  # int8_matmul's output columns per tile
 INT8_MATMUL_K_MULTIPLE = _LIMITS["INT8_MATMUL_K_MULTIPLE"]  # its input width must be a multiple of this
@@ -223,8 +224,9 @@ def paged_attention(
     scale: float,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """q (T, Hq, D) bf16; caches (slots, Hkv, D) bf16; row r attends to slots[offset[r] : offset[r] + count[r]].
-    `softcap`: scores become softcap * tanh(score / softcap) before the softmax (Gemma 2)."""
+    """q (T, Hq, D) bf16; caches (slots, Hkv, D) bf16, or (slots, Hkv, D + 2 D / KV_INT8_BLOCK) int8 (codes and
+    their scales, kv_quantize_rows); row r attends to slots[offset[r] : offset[r] + count[r]]. `softcap`: scores
+    become softcap * tanh(score / softcap) before the softmax (Gemma 2)."""
     t, hq, d = q.shape
     if q.stride(2) != 1 or q.stride(1) != d:
         q = q.contiguous()
@@ -243,10 +245,23 @@ def paged_attention(
         d,
         scale,
         softcap or 0.0,
+        int(k_cache.dtype == torch.int8),
         out.data_ptr(),
         torch.get_num_threads(),
     ):
         raise ValueError(f"paged_attention: head_dim {d} unsupported or no memory for the scores")
+    return out
+
+
+def kv_quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """(..., D) bf16 → (..., D + 2 D / KV_INT8_BLOCK) int8: each row's codes, then their float16 scales
+    (kv_quantize_rows in C, compiled with paged_attention)."""
+    x = x.contiguous()
+    d = x.shape[-1]
+    if d % KV_INT8_BLOCK:
+        raise ValueError(f"kv_quantize_rows: rows of {d}, not a multiple of {KV_INT8_BLOCK}")
+    out = torch.empty(*x.shape[:-1], d + 2 * d // KV_INT8_BLOCK, dtype=torch.int8)
+    _lib().kv_quantize_rows(x.data_ptr(), x.numel() // d, d, out.data_ptr())
     return out
 
 
@@ -530,7 +545,7 @@ class DecoderLayerPlan(ctypes.Structure):
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
         ("softcap", ctypes.c_float),
-        ("unused", ctypes.c_float),
+        ("kv_int8", ctypes.c_int32),
         ("input_norm", ctypes.c_void_p),
         ("post_attention_norm", ctypes.c_void_p),
         ("pre_feedforward_norm", ctypes.c_void_p),

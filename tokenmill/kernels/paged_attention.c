@@ -18,10 +18,17 @@
  *
  * Row r sees the keys at cache slots slots[offset[r]], ..., slots[offset[r] + count[r] - 1] (its visible positions,
  * in position order); attention.py builds these from each sequence's block table and the layer's window.
+ *
+ * An 8-bit cache (kv_int8) holds a (slot, KV head) row as d int8 codes and a float16 scale per 32 of them (llama.cpp's
+ * q8_0, kv_quantize_rows): a key's or value's lanes are its codes times their block's scale, as floats, and the rest
+ * is the same arithmetic. The codes are the same whatever the batch, so the same invariance.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
+#include "bf16.h"
 #include "kernels.h"
 
 #include "vec16.h"
@@ -47,10 +54,19 @@ int paged_attention_available(void) { return 1; }
 #else
 #define OUT_VECTORS 2
 #endif
+/* key or value row `row` (d bf16 values, or KV8: d int8 codes, then a float16 scale per 32), lanes 16 i .. 16 i + 15,
+ * as floats */
+static inline __attribute__((always_inline)) v16 kv_lanes(const char *row, int64_t i, int64_t d, const int KV8) {
+    if (!KV8) return v16_load_bf16((const uint16_t *)row + 16 * i);
+    uint16_t half;
+    memcpy(&half, row + d + 2 * (i / 2), sizeof half);
+    return v16_mul(v16_load_i8((const int8_t *)row + 16 * i), v16_set1(_cvtsh_ss(half)));
+}
+
 static inline __attribute__((always_inline)) void attend_group(
-    const uint16_t *q, int64_t q_head_stride, const uint16_t *k_cache, const uint16_t *v_cache,
-    const int64_t *slots, int64_t count, int64_t slot_stride, int64_t d, float scale, float softcap, float *scores,
-    uint16_t *out, float *partial, const int GS) {
+    const uint16_t *q, int64_t q_head_stride, const char *k_cache, const char *v_cache, const int64_t *slots,
+    int64_t count, int64_t slot_stride, int64_t d, float scale, float softcap, float *scores, uint16_t *out,
+    float *partial, const int GS, const int KV8) {
     v16 qf[GROUP][MAX_ATTENTION_HEAD_DIM / 16];
     int64_t lanes = d / 16;
     for (int g = 0; g < GS; g++)
@@ -63,11 +79,11 @@ static inline __attribute__((always_inline)) void attend_group(
     for (; j + 16 <= count; j += 16) {
         v16 dots[GROUP][16];
         for (int at = 0; at < 16; at += 2) {
-            const uint16_t *k0 = k_cache + slots[j + at] * slot_stride, *k1 = k_cache + slots[j + at + 1] * slot_stride;
+            const char *k0 = k_cache + slots[j + at] * slot_stride, *k1 = k_cache + slots[j + at + 1] * slot_stride;
             v16 a0[GROUP], a1[GROUP];
             for (int g = 0; g < GS; g++) a0[g] = a1[g] = v16_zero();
             for (int64_t i = 0; i < lanes; i++) {
-                v16 x0 = v16_load_bf16(k0 + 16 * i), x1 = v16_load_bf16(k1 + 16 * i);
+                v16 x0 = kv_lanes(k0, i, d, KV8), x1 = kv_lanes(k1, i, d, KV8);
                 for (int g = 0; g < GS; g++) {
                     a0[g] = v16_fma(qf[g][i], x0, a0[g]);
                     a1[g] = v16_fma(qf[g][i], x1, a1[g]);
@@ -82,11 +98,11 @@ static inline __attribute__((always_inline)) void attend_group(
     }
 #endif
     for (; j + 2 <= count; j += 2) {
-        const uint16_t *k0 = k_cache + slots[j] * slot_stride, *k1 = k_cache + slots[j + 1] * slot_stride;
+        const char *k0 = k_cache + slots[j] * slot_stride, *k1 = k_cache + slots[j + 1] * slot_stride;
         v16 a0[GROUP], a1[GROUP];
         for (int g = 0; g < GS; g++) a0[g] = a1[g] = v16_zero();
         for (int64_t i = 0; i < lanes; i++) {
-            v16 x0 = v16_load_bf16(k0 + 16 * i), x1 = v16_load_bf16(k1 + 16 * i);
+            v16 x0 = kv_lanes(k0, i, d, KV8), x1 = kv_lanes(k1, i, d, KV8);
             for (int g = 0; g < GS; g++) {
                 a0[g] = v16_fma(qf[g][i], x0, a0[g]);
                 a1[g] = v16_fma(qf[g][i], x1, a1[g]);
@@ -98,11 +114,11 @@ static inline __attribute__((always_inline)) void attend_group(
         }
     }
     for (; j < count; j++) {
-        const uint16_t *k0 = k_cache + slots[j] * slot_stride;
+        const char *k0 = k_cache + slots[j] * slot_stride;
         v16 a0[GROUP];
         for (int g = 0; g < GS; g++) a0[g] = v16_zero();
         for (int64_t i = 0; i < lanes; i++) {
-            v16 x0 = v16_load_bf16(k0 + 16 * i);
+            v16 x0 = kv_lanes(k0, i, d, KV8);
             for (int g = 0; g < GS; g++) a0[g] = v16_fma(qf[g][i], x0, a0[g]);
         }
         for (int g = 0; g < GS; g++) s[g][j] = v16_reduce_add(a0[g]) * scale;
@@ -134,9 +150,9 @@ static inline __attribute__((always_inline)) void attend_group(
         for (int g = 0; g < GS; g++)
             for (int i = 0; i < OUT_VECTORS; i++) acc[g][i] = v16_zero();
         for (int64_t t = 0; t < count; t++) {
-            const uint16_t *v = v_cache + slots[t] * slot_stride + 16 * c;
+            const char *v = v_cache + slots[t] * slot_stride;
             v16 x[OUT_VECTORS];
-            for (int i = 0; i < OUT_VECTORS; i++) x[i] = i < width ? v16_load_bf16(v + 16 * i) : v16_zero();
+            for (int i = 0; i < OUT_VECTORS; i++) x[i] = i < width ? kv_lanes(v, c + i, d, KV8) : v16_zero();
             for (int g = 0; g < GS; g++) {
                 v16 p = v16_set1(s[g][t]);
                 for (int i = 0; i < OUT_VECTORS; i++) acc[g][i] = v16_fma(p, x[i], acc[g][i]);
@@ -193,24 +209,40 @@ typedef struct {
 
 /* The call's inputs, as paged_attention takes them */
 typedef struct {
-    const uint16_t *q, *k_cache, *v_cache;
+    const uint16_t *q;
+    const char *k_cache, *v_cache;
     const int64_t *slots, *offset, *count;
     int64_t q_stride, hq, hkv, d;
     float scale, softcap;
+    int kv_int8;
+    int64_t row_bytes; /* one (slot, KV head) row of a cache: 2 d bytes, or d + 4 with kv_int8 */
     uint16_t *out;
 } call;
 
 /* heads [h, h + gs) of row r over its keys [key, key + keys) -> out (gs, d) bf16, or partial (gs, PARTIAL(d)) */
 static void attend(const call *c, int64_t r, int64_t kv, int64_t h, int64_t gs, int64_t key, int64_t keys,
                    float *scores, uint16_t *out, float *partial) {
-    const uint16_t *q = c->q + r * c->q_stride + h * c->d, *kc = c->k_cache + kv * c->d, *vc = c->v_cache + kv * c->d;
-    const int64_t *sl = c->slots + c->offset[r] + key, stride = c->hkv * c->d, d = c->d;
-    switch (gs) {
-        case 1: attend_group(q, d, kc, vc, sl, keys, stride, d, c->scale, c->softcap, scores, out, partial, 1); break;
-        case 2: attend_group(q, d, kc, vc, sl, keys, stride, d, c->scale, c->softcap, scores, out, partial, 2); break;
-        case 3: attend_group(q, d, kc, vc, sl, keys, stride, d, c->scale, c->softcap, scores, out, partial, 3); break;
-        default: attend_group(q, d, kc, vc, sl, keys, stride, d, c->scale, c->softcap, scores, out, partial, 4); break;
+    const uint16_t *q = c->q + r * c->q_stride + h * c->d;
+    const char *kc = c->k_cache + kv * c->row_bytes, *vc = c->v_cache + kv * c->row_bytes;
+    const int64_t *sl = c->slots + c->offset[r] + key, stride = c->hkv * c->row_bytes, d = c->d;
+    const float sc = c->scale, cap = c->softcap;
+#define ATTEND_GROUP(GS, KV8) attend_group(q, d, kc, vc, sl, keys, stride, d, sc, cap, scores, out, partial, GS, KV8)
+    if (c->kv_int8) {
+        switch (gs) {
+            case 1: ATTEND_GROUP(1, 1); break;
+            case 2: ATTEND_GROUP(2, 1); break;
+            case 3: ATTEND_GROUP(3, 1); break;
+            default: ATTEND_GROUP(4, 1); break;
+        }
+        return;
     }
+    switch (gs) {
+        case 1: ATTEND_GROUP(1, 0); break;
+        case 2: ATTEND_GROUP(2, 0); break;
+        case 3: ATTEND_GROUP(3, 0); break;
+        default: ATTEND_GROUP(4, 0); break;
+    }
+#undef ATTEND_GROUP
 }
 
 /* A thread's units' key and value rows are asked into L2 (prefetcht1) up to PREFETCH_BYTES ahead of the unit in hand,
@@ -231,12 +263,12 @@ static void prefetch_rows(prefetch_cursor *cur, int64_t upto, int64_t end, const
             cur->unit++, cur->key = 0;
             continue;
         }
-        int64_t slot = c->slots[c->offset[u->r] + u->key + cur->key++], row = (slot * c->hkv + u->kv) * c->d;
-        for (int64_t b = 0; b < 2 * c->d; b += 64) {
-            _mm_prefetch((const char *)(c->k_cache + row) + b, _MM_HINT_T1);
-            _mm_prefetch((const char *)(c->v_cache + row) + b, _MM_HINT_T1);
+        int64_t slot = c->slots[c->offset[u->r] + u->key + cur->key++], row = (slot * c->hkv + u->kv) * c->row_bytes;
+        for (int64_t b = 0; b < c->row_bytes; b += 64) {
+            _mm_prefetch(c->k_cache + row + b, _MM_HINT_T1);
+            _mm_prefetch(c->v_cache + row + b, _MM_HINT_T1);
         }
-        cur->bytes += 4 * c->d;
+        cur->bytes += 2 * c->row_bytes;
     }
 }
 
@@ -251,7 +283,7 @@ typedef struct {
  * A later part of a KV head's query heads reads the rows its first part read. */
 static void ask_ahead(asking *a, const unit *u, int64_t keys, const call *c) {
     prefetch_rows(&a->cursor, a->used + PREFETCH_BYTES, a->end, a->units, c);
-    a->used += u->part ? 0 : keys * 4 * c->d;
+    a->used += u->part ? 0 : keys * 2 * c->row_bytes;
 }
 
 /* A whole row's unit: its softmax in one pass, or chunk by chunk into `own` (this thread's scratch) and merged. Rows
@@ -339,11 +371,13 @@ static int64_t plan_units(const int64_t *offset, const int64_t *count, int64_t r
 
 /* q (rows, hq, d) with row stride q_stride; caches (slots, hkv, d); out (rows, hq, d) contiguous. Returns 0, or -1
  * for an unsupported head size or no memory for the work's plan. */
-int paged_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+int paged_attention(const uint16_t *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                     const int64_t *slots, const int64_t *offset, const int64_t *count, int64_t rows, int64_t hq,
-                    int64_t hkv, int64_t d, float scale, float softcap, uint16_t *out, int threads) {
-    if (d % 16 || d > MAX_ATTENTION_HEAD_DIM || hq % hkv) return -1;
-    const call c = {q, k_cache, v_cache, slots, offset, count, q_stride, hq, hkv, d, scale, softcap, out};
+                    int64_t hkv, int64_t d, float scale, float softcap, int kv_int8, uint16_t *out, int threads) {
+    if (d % 16 || d > MAX_ATTENTION_HEAD_DIM || hq % hkv || (kv_int8 && d % KV_INT8_BLOCK)) return -1;
+    const int64_t row_bytes = kv_int8 ? d + 2 * d / KV_INT8_BLOCK : 2 * d;
+    const call c = {q, k_cache, v_cache, slots, offset, count, q_stride, hq, hkv, d, scale, softcap, kv_int8,
+                    row_bytes, out};
     /* Work for every thread: rows' whole softmaxes where they share out evenly (GROUP query heads a KV head
      * together, sharing their loads); else, with a few rows (a single stream's step has one row, and Gemma 3 one KV
      * head; three rows on two threads left one idle half the time), long rows' chunks apart, and a KV head's query
@@ -411,13 +445,40 @@ int paged_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache
     return failed ? -1 : 0;
 }
 
+/* x's d bf16 values -> row's d int8 codes, then d / 32 float16 scales: per block of 32, scale = max |x| / 127 rounded to
+ * float16 (nearest even), code = x / scale rounded to nearest even and kept within +-127 (0 where the scale is 0) */
+void kv_quantize_rows(const uint16_t *src, int64_t heads, int64_t d, int8_t *dst) {
+    for (int64_t h = 0; h < heads; h++) {
+        const uint16_t *x = src + h * d;
+        int8_t *row = dst + h * (d + 2 * d / KV_INT8_BLOCK);
+        for (int64_t b = 0; b < d / KV_INT8_BLOCK; b++) {
+            const uint16_t *xb = x + b * KV_INT8_BLOCK;
+            float amax = 0.0f;
+            for (int i = 0; i < KV_INT8_BLOCK; i++) {
+                float a = fabsf(bf16_to_float(xb[i]));
+                amax = a > amax ? a : amax;
+            }
+            uint16_t half = _cvtss_sh(amax / 127.0f, _MM_FROUND_TO_NEAREST_INT);
+            float scale = _cvtsh_ss(half);
+            for (int i = 0; i < KV_INT8_BLOCK; i++) {
+                float code = scale > 0.0f ? nearbyintf(bf16_to_float(xb[i]) / scale) : 0.0f;
+                row[b * KV_INT8_BLOCK + i] = (int8_t)(code > 127.0f ? 127.0f : code < -127.0f ? -127.0f : code);
+            }
+            memcpy(row + d + 2 * b, &half, sizeof half);
+        }
+    }
+}
+
 #else /* neither AVX-512 nor AVX2 + FMA, or no OpenMP: attention.py keeps its torch path */
 int paged_attention_available(void) { return 0; }
-int paged_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+int paged_attention(const uint16_t *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                     const int64_t *slots, const int64_t *offset, const int64_t *count, int64_t rows, int64_t hq,
-                    int64_t hkv, int64_t d, float scale, float softcap, uint16_t *out, int threads) {
+                    int64_t hkv, int64_t d, float scale, float softcap, int kv_int8, uint16_t *out, int threads) {
     (void)q, (void)q_stride, (void)k_cache, (void)v_cache, (void)slots, (void)offset, (void)count, (void)rows;
-    (void)hq, (void)hkv, (void)d, (void)scale, (void)softcap, (void)out, (void)threads;
+    (void)hq, (void)hkv, (void)d, (void)scale, (void)softcap, (void)kv_int8, (void)out, (void)threads;
     return -1;
+}
+void kv_quantize_rows(const uint16_t *src, int64_t heads, int64_t d, int8_t *dst) {
+    (void)src, (void)heads, (void)d, (void)dst;
 }
 #endif

@@ -33,6 +33,10 @@ static inline v16 v16_load_first(const float *p, int64_t n, float fill) {
 }
 static inline void v16_store_first(float *p, int64_t n, v16 v) { _mm512_mask_storeu_ps(p, first_lanes(n), v); }
 static inline v16 v16_load_bf16(const uint16_t *p) { return load_bf16(p); }
+/* sixteen int8 codes as floats (exact) */
+static inline v16 v16_load_i8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
 static inline void v16_store_bf16(uint16_t *p, v16 v) { _mm256_storeu_si256((__m256i *)p, to_bf16(v)); }
 static inline v16 v16_round_bf16(v16 v) { return load_bf16_rounded(v); }
 static inline v16 v16_add(v16 a, v16 b) { return _mm512_add_ps(a, b); }
@@ -116,6 +120,11 @@ static inline void v16_store_first(float *p, int64_t n, v16 v) {
     for (int l = 0; l < n; l++) p[l] = lanes[l];
 }
 static inline v16 v16_load_bf16(const uint16_t *p) { return V16(load_bf16_8(p), load_bf16_8(p + 8)); }
+static inline __m256 load_i8_8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+/* sixteen int8 codes as floats (exact) */
+static inline v16 v16_load_i8(const int8_t *p) { return V16(load_i8_8(p), load_i8_8(p + 8)); }
 static inline void v16_store_bf16(uint16_t *p, v16 v) {
     _mm_storeu_si128((__m128i *)p, to_bf16_8(v.lo));
     _mm_storeu_si128((__m128i *)(p + 8), to_bf16_8(v.hi));

@@ -209,6 +209,8 @@ def paged_attention(
     """Write this step's K/V into the cache, then attend every query row over its own visible cached keys.
     `softcap`: Gemma 2's scores, softcap * tanh(score / softcap), before the softmax."""
     k_cache, v_cache = kv_cache
+    if k_cache.dtype == torch.int8:  # an 8-bit cache: each row's codes and scale
+        k, v = quantize_kv(k), quantize_kv(v)
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     t, hq, d = q.shape
@@ -231,9 +233,36 @@ def _attend(
     hkv, (_, hq, d) = k_cache.shape[1], q.shape
     rows = q.view(-1, batch.num_rows, hkv, hq // hkv, d)  # (B, M, Hkv, G, D)
     slots = batch.key_slots.view(-1)  # index_select copies whole rows; fancy indexing goes element by element
-    keys = k_cache.index_select(0, slots).view(*batch.key_slots.shape, hkv, d)
-    values = v_cache.index_select(0, slots).view(*batch.key_slots.shape, hkv, d)
+    keys = dequantize_kv(k_cache.index_select(0, slots)).view(*batch.key_slots.shape, hkv, d)
+    values = dequantize_kv(v_cache.index_select(0, slots)).view(*batch.key_slots.shape, hkv, d)
     return attend_rows(rows, keys, values, batch.hidden(hq // hkv), scale, softcap)
+
+
+def quantize_kv(x: torch.Tensor) -> torch.Tensor:
+    """(..., D) keys or values → (..., D + 2 D / 32) int8 rows of an 8-bit cache, as llama.cpp's q8_0: per block of 32
+    values, scale = max |x| / 127 as float16, codes x / scale rounded to nearest even (0 where the scale is 0); the
+    codes, then the scales' bytes. The C kernel's kv_quantize_rows where it is built (bf16), else the same arithmetic
+    in torch: the same codes."""
+    if ops.usable(x) and ops.paged_attention_available():
+        return ops.kv_quantize_rows(x)
+    *lead, d = x.shape
+    blocks = x.float().reshape(*lead, d // ops.KV_INT8_BLOCK, ops.KV_INT8_BLOCK)
+    half = (blocks.abs().amax(dim=-1, keepdim=True) / 127.0).to(torch.float16)  # (..., D / 32, 1)
+    scale = half.float()
+    codes = torch.where(scale > 0, torch.round(blocks / scale), torch.zeros_like(blocks)).clamp_(-127, 127)
+    return torch.cat([codes.reshape(*lead, d).to(torch.int8), half.reshape(*lead, -1).view(torch.int8)], dim=-1)
+
+
+def dequantize_kv(rows: torch.Tensor) -> torch.Tensor:
+    """An 8-bit cache's rows (..., D + 2 D / 32) → (..., D) float32, codes times their block's scale; other rows as
+    they are."""
+    if rows.dtype != torch.int8:
+        return rows
+    *lead, width = rows.shape
+    d = width * ops.KV_INT8_BLOCK // (ops.KV_INT8_BLOCK + 2)
+    scale = rows[..., d:].contiguous().view(torch.float16).float()  # (..., D / 32)
+    codes = rows[..., :d].float().reshape(*lead, d // ops.KV_INT8_BLOCK, ops.KV_INT8_BLOCK)
+    return (codes * scale[..., None]).reshape(*lead, d)
 
 
 def attend_rows(

@@ -52,9 +52,8 @@ class CLayer:
         raise NotImplementedError
 
     def c_plan_for_step(self, x: torch.Tensor, kv_cache: KVCache) -> ops.DecoderLayerPlan | None:
-        """The plan where this step runs this layer in C: bf16 activations and a bf16 cache; else None."""
-        plan = self.c_plan_for(x.dtype)
-        return plan if plan is not None and kv_cache[0].dtype == torch.bfloat16 else None
+        """The plan where this step runs this layer in C: bf16 activations and a bf16 or int8 cache; else None."""
+        return cache_plan(self.c_plan_for(x.dtype), kv_cache)
 
     def c_call(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor | None:
         """The layer as one C call where it can run so (its output), else None: the modules' turn."""
@@ -203,6 +202,14 @@ class LayerStack:
         return array
 
 
+def cache_plan(plan: ops.DecoderLayerPlan | None, kv_cache: KVCache) -> ops.DecoderLayerPlan | None:
+    """`plan` told its cache's kind (kv_int8), where the C layer takes that cache (bf16, or int8 rows); else None."""
+    if plan is None or kv_cache[0].dtype not in (torch.bfloat16, torch.int8):
+        return None
+    plan.kv_int8 = int(kv_cache[0].dtype == torch.int8)
+    return plan
+
+
 def stack_entries(
     layers: list[CLayer], kv_caches: Sequence[KVCache], kinds: Sequence[Hashable]
 ) -> tuple[ctypes.Array[ops.StackLayer], list[Any], bool] | None:
@@ -212,10 +219,7 @@ def stack_entries(
     distinct = list(dict.fromkeys(kinds))
     if len(distinct) > ops.STACK_KINDS or len({layer.c_kernel for layer in layers}) != 1:
         return None
-    bf16 = [
-        layer.c_plan_for(torch.bfloat16) if kv[0].dtype == torch.bfloat16 else None
-        for layer, kv in zip(layers, kv_caches)
-    ]
+    bf16 = [cache_plan(layer.c_plan_for(torch.bfloat16), kv) for layer, kv in zip(layers, kv_caches)]
     plans = [plan for plan in bf16 if plan is not None]
     if len(plans) != len(layers) or len(kv_caches) != len(layers):
         return None

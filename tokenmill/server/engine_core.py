@@ -23,12 +23,12 @@ def build_engine_core(model: CausalLM, tokenizer: Tokenizer, config: Config, ide
     prepare_linears(model, config.weight_quantization)
     cfg = model.config
     dtype = next(model.parameters()).dtype
-    block_bytes = kv_bytes_per_token(cfg, dtype) * config.block_size
+    block_bytes = kv_bytes_per_token(cfg, dtype, config.kv_cache_dtype) * config.block_size
     num_blocks = config.num_kv_blocks or max((config.kv_cache_mb << 20) // block_bytes, 1)
     capacity = num_blocks * config.block_size
     model_len = cfg.max_position_embeddings
     max_model_len = min(config.max_model_len or min(model_len, DEFAULT_MAX_MODEL_LEN), model_len, capacity)
-    runner = ModelRunner(model, cfg, num_blocks, config.block_size)
+    runner = ModelRunner(model, cfg, num_blocks, config.block_size, config.kv_cache_dtype)
     blocks = BlockManager(num_blocks, config.block_size, kv_tiers(runner, config, identity))
     scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens, config.max_num_prefills)
     spec = config.speculative_settings()

@@ -13,6 +13,7 @@ import torch
 from tokenmill.config import Config
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.engine import AsyncEngine, engine_thread
+from tokenmill.engine.kv_cache import KVCacheFormatError
 from tokenmill.engine.outputs import EngineDescription
 from tokenmill.model.loading.memory import release_freed_memory, unmap_file_pages
 from tokenmill.server.description import describe
@@ -70,7 +71,10 @@ def load_engine_core(config: Config) -> LoadedEngine:
     if loaded.mapped is not None:  # the file's pages read to regroup blocks: the page cache keeps them, RSS need not
         unmap_file_pages(*loaded.mapped)
     fingerprint = system_fingerprint(loaded.source_id, config)
-    core = build_engine_core(model, tokenizer, config, fingerprint)
+    try:
+        core = build_engine_core(model, tokenizer, config, fingerprint)
+    except KVCacheFormatError as exc:
+        raise ModelLoadError(str(exc)) from exc
     if not loaded.prepared and loaded.cache_entry is not None and quantization not in ("none", "gguf"):
         save_prepared(model.state_dict(), loaded.cache_entry, dtype, quantization)
     release_freed_memory()
