@@ -5,6 +5,7 @@ from array import array
 
 import pytest
 
+from tokenmill.engine import kv_cache
 from tokenmill.engine.kv_cache import BlockManager, PrefixHashes
 
 
@@ -139,3 +140,26 @@ def test_an_8bit_cache_is_refused_for_heads_it_cannot_cut_in_blocks_of_32() -> N
 
     with pytest.raises(KVCacheFormatError, match="multiple of 32 values; this model's are 16"):
         tiny_core(kv_cache_dtype="int8")  # the tiny model's heads are 16 wide
+
+
+def test_keys_whose_python_hash_collides_are_still_told_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lookup's fast path is Python's hash() of the key; keys that collide there are compared whole, so a prefix
+    never finds another prefix's blocks."""
+
+    class Colliding(bytes):
+        def __hash__(self) -> int:
+            return 0
+
+    real = kv_cache.block_hash
+    monkeypatch.setattr(kv_cache, "block_hash", lambda parent, tokens: Colliding(real(parent, tokens)))
+    bm = BlockManager(num_blocks=8, block_size=4)
+    first = list(range(9))
+    a = bm.allocate_prompt(first, use_cache=True)
+    assert a is not None
+    bm.register_full_blocks(first, a.blocks, len(first))
+    bm.free_blocks(a.blocks)
+    other = bm.allocate_prompt(list(range(100, 109)), use_cache=True)
+    assert other is not None and other.num_cached_tokens == 0
+    bm.free_blocks(other.blocks)
+    again = bm.allocate_prompt(first, use_cache=True)
+    assert again is not None and again.num_cached_tokens == 8 and again.blocks[:2] == a.blocks[:2]
