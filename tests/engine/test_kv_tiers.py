@@ -271,6 +271,24 @@ def test_a_kill_during_writes_leaves_files_that_are_read_or_discarded_cleanly(tm
         disk.close(5.0)
 
 
+def test_a_start_leaves_the_temporary_files_of_a_live_writer_alone(tmp_path: Path) -> None:
+    """Replicas may share a folder: one starting must not delete what another is writing, only what a dead one left."""
+    folder = tmp_path / bytes(32).hex()[:16]
+    folder.mkdir()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        live = folder / f"{'ab' * 32}.kvb.{sleeper.pid}.tmp"
+        dead = folder / f"{'cd' * 32}.kvb.{2**22 + 12345}.tmp"  # above Linux's largest pid: no such process
+        live.write_bytes(b"half")
+        dead.write_bytes(b"half")
+        disk = DiskTier(tmp_path, bytes(32), capacity=1 << 30)
+        disk.close(5.0)
+        assert live.exists() and not dead.exists()
+    finally:
+        sleeper.kill()
+        sleeper.wait(timeout=30)
+
+
 def test_tiers_are_keyed_by_format() -> None:
     caches = kv_caches()
     a = KVTiers(caches, 4, ram_bytes=1 << 20, identity="model a")

@@ -165,13 +165,13 @@ class DiskTier:
         return self.folder / f"{key.hex()}{SUFFIX}"
 
     def _scan(self) -> None:
-        """The folder as a killed or earlier process left it: temporary files removed, the rest indexed oldest first,
-        and the budget enforced."""
+        """The folder as a killed or earlier process left it: temporary files of processes that are gone removed (a
+        replica sharing the folder may be writing its own), the rest indexed oldest first, and the budget enforced."""
         found = []
         for entry in os.scandir(self.folder):
             name = entry.name
             if not name.endswith(SUFFIX):
-                if ".tmp" in name:
+                if name.endswith(".tmp") and not _writer_alive(name):
                     _unlink(Path(entry.path))
                 continue
             try:
@@ -260,6 +260,10 @@ class DiskTier:
                 f.write(header)
                 f.write(data)
             os.replace(tmp, path)
+        except FileNotFoundError:  # another process cleared the folder under this write: this block only is lost
+            _unlink(tmp)
+            self.dropped += 1
+            return
         except OSError as exc:
             _unlink(tmp)
             self._fail(exc)
@@ -304,6 +308,18 @@ class DiskTier:
         except queue.Full:
             pass
         self._writer.join(timeout=1.0)
+
+
+def _writer_alive(tmp_name: str) -> bool:
+    """Whether the process whose pid a temporary file's name carries (<key>.kvb.<pid>.tmp) still runs here."""
+    try:
+        pid = int(tmp_name.rsplit(".", 2)[-2])
+        os.kill(pid, 0)
+    except (ValueError, IndexError, ProcessLookupError):
+        return False
+    except PermissionError:  # a process of another user: alive
+        return True
+    return pid != os.getpid()
 
 
 def _unlink(path: Path) -> None:
