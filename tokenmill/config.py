@@ -86,9 +86,9 @@ class Config:
     )
     kv_cache_dtype: str = _opt(
         "auto",
-        "the KV cache's element type: auto, the model's dtype; int8, each key and value row as 8-bit codes and a"
-        " float32 scale, half the bytes of bf16 (more tokens in --kv-cache-mb, fewer bytes read a step), at a small"
-        " change in the numbers",
+        "the KV cache's element type: auto, the model's dtype; int8, keys and values as 8-bit codes with a float16"
+        " scale per 32 (llama.cpp's q8_0), a little over half of bf16's bytes (more tokens in --kv-cache-mb, fewer bytes"
+        " read a step), at a small change in the numbers",
         choices=KV_CACHE_DTYPES,
     )
     kv_cache_ram_gb: float | None = _opt(

@@ -1,7 +1,7 @@
 """Paged KV cache bookkeeping: fixed-size blocks, a free list, reference counts and prefix-cache hashes.
 
-The tensors themselves are plain per-layer (num_blocks * block_size, kv_heads, head_dim) buffers; this file only
-decides which slots a sequence owns. A full block of prompt tokens is remembered by a hash of its tokens chained with
+The tensors themselves are plain per-layer (num_blocks * block_size, kv_heads, head_dim) buffers (with an 8-bit cache,
+each row is head_dim codes and their scales' bytes); this file only decides which slots a sequence owns. A full block of prompt tokens is remembered by a hash of its tokens chained with
 the previous block's hash, so a later prompt with the same prefix reuses the block instead of recomputing it. Freed
 blocks keep their hash until they are handed out again, so a cache hit can revive them. Where the engine has tiers
 (kv_tiers.py), a cached block's KV is copied out before it is handed out again, and a prefix matched no further here

@@ -8,14 +8,14 @@ matched in the live cache, then block by block in RAM, then on disk; each block 
 block instead of being computed, and counts as cached (`usage.prompt_tokens_details.cached_tokens`).
 
 Keys. The tiers key a block by SHA-256 of the engine's format (the model's fingerprint, the kernels' build, the KV
-dtype and shapes, the block size) and the block's chain hash (which starts from the request's `cache_salt`): a block written for another
-model or another KV format is never found for this one, and two salts never share.
+dtype and shapes, the block size) and the block's chain hash (which starts from the request's `cache_salt`): a block
+written for another model or another KV format is never found for this one, and two salts never share.
 
 Files: `<dir>/<format key, 16 hex>/<block key>.kvb`, a header (magic, version, format key, block key, payload length,
 its XXH3-64 checksum) and the block's KV, written to a temporary name and renamed into place, so that a reader finds
-a whole file or none. A file that is short, fails its checksum or names another format or key is deleted where it is found
-and counts as a miss. At start the folder is listed, temporary files a killed process left are removed, and the budget
-is enforced, least recently written out first; while running, each write enforces it. A write that fails (a full or
+a whole file or none. A file that is short, fails its checksum or names another format or key is deleted where it is
+found and counts as a miss. At start the folder is listed, temporary files a killed process left are removed, and the
+budget is enforced, least recently written out first; while running, each write enforces it. A write that fails (a full or
 read-only disk) turns the disk tier off with one warning: requests carry on with RAM alone.
 """
 
@@ -149,6 +149,7 @@ class DiskTier:
         self.nbytes = 0
         self.enabled = True
         self.written = self.dropped = self.evictions = self.discarded = 0
+        self.written_bytes = 0  # payload bytes of the blocks written
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[bytes, torch.Tensor] | None] = queue.Queue(WRITE_QUEUE)
         self._writer: threading.Thread | None = None
@@ -273,6 +274,7 @@ class DiskTier:
                 self.index[key] = HEADER.size + len(data)
                 self.nbytes += HEADER.size + len(data)
             self.written += 1
+            self.written_bytes += len(data)
             self._enforce_budget()
 
     def _enforce_budget(self) -> None:
@@ -386,13 +388,12 @@ class KVTiers:
         disk = self.disk
         if disk is None or not disk.enabled or not blocks:
             return
-        fresh = [(self.key(h), b) for h, b in zip(chain_hashes, blocks) if self.key(h) not in disk]
+        keyed = ((self.key(h), b) for h, b in zip(chain_hashes, blocks))
+        fresh = [(key, b) for key, b in keyed if key not in disk]
         if not fresh:
             return
-        payloads = self.copier.read([b for _, b in fresh])
-        for (key, _), payload in zip(fresh, payloads):
+        for (key, _), payload in zip(fresh, self.copier.read([b for _, b in fresh])):
             disk.put(key, payload)
-            self.counts.bytes_to_disk += payload.numel()
 
     def fetch(self, chain_hashes: list[bytes]) -> list[torch.Tensor]:
         """The payloads of the leading blocks a tier still holds, in order, up to the first it does not (or whose
@@ -428,6 +429,7 @@ class KVTiers:
             c.disk_bytes, c.disk_blocks = disk.nbytes, len(disk.index)
             c.disk_capacity_bytes = disk.capacity if disk.enabled else 0
             c.disk_written, c.disk_write_dropped = disk.written, disk.dropped
+            c.bytes_to_disk = disk.written_bytes
             c.disk_evictions, c.disk_discarded = disk.evictions, disk.discarded
         return TierStats(**vars(c))
 
