@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -222,10 +223,45 @@ def test_plan_checks_the_tokens_likely_enough_to_pay_for_their_rows() -> None:
     assert plan([0.9], [2], 4.0, budget=16) == [2]
     assert plan([0.3], [4], 4.0, budget=16) == [1]  # 0.3 > 1.15 × 1/5, then 0.09 < 1.15 × 1.3/6
     assert plan([0.2], [4], 4.0, budget=16) == [0]  # 0.2 does not beat 1/5 by the margin
-    # sixteen rows of a model whose rows dominate: only near-certain drafts, likeliest first
-    assert plan([0.95] + [0.5] * 15, [4] * 16, 4.0, budget=16) == [1] + [0] * 15  # 0.95 > 1.15 × 16/20, 0.9025 not
-    assert plan([0.99] + [0.5] * 15, [4] * 16, 4.0, budget=16) == [4] + [0] * 15
-    assert plan([0.9, 0.99], [0, 4], 100.0, budget=16) == [0, 4]
+    # sixteen rows of a model whose rows dominate: only near-certain drafts, likeliest first (the rows beside them
+    # would lose, which the next test is about)
+    unbounded = math.inf
+    # 0.95 > 1.15 × 16/20, then 0.9025 < 1.15 × 16.95/21
+    assert plan([0.95] + [0.5] * 15, [4] * 16, 4.0, 16, max_slowdown=unbounded) == [1] + [0] * 15
+    assert plan([0.99] + [0.5] * 15, [4] * 16, 4.0, 16, max_slowdown=unbounded) == [4] + [0] * 15
+    assert plan([0.9, 0.99], [0, 4], 100.0, 16, max_slowdown=unbounded) == [0, 4]
+
+
+def test_plan_slows_a_row_without_a_draft_by_at_most_the_bound() -> None:
+    # four rows, a fixed part of 16 rows: the undrafted step is 20 rows' worth of time. Three rows draft near-surely,
+    # one has no draft: drafts stop where the step would take more than 1.2 × 20 = 24 rows, so 4 tokens, not 16
+    taken = plan([0.99, 0.99, 0.99, 0.0], [16, 16, 16, 0], 16.0, budget=16, max_slowdown=1.2)
+    assert sum(taken) == 4 and taken[3] == 0
+    assert sum(plan([0.99, 0.99, 0.99, 0.0], [16, 16, 16, 0], 16.0, budget=16, max_slowdown=100.0)) == 16
+    # ... unless the row without a draft now has made two tokens a step lately from its drafts: it can wait a step
+    assert sum(plan([0.99, 0.99, 0.99, 0.0], [16, 16, 16, 0], 16.0, 16, [0.0, 0.0, 0.0, 2.0], max_slowdown=1.2)) == 16
+    # every row drafting: each row's own expected tokens pay for the longer step, and the bound gives way
+    assert sum(plan([0.99] * 4, [16] * 4, 16.0, budget=16, max_slowdown=1.0)) == 16
+
+    # where the steps' times are known they decide, not the fixed part: here a 4-row step takes 10 ms and each row
+    # past it 1 ms, so 1.2 × allows 2 rows, where the fixed part of 16 rows would have allowed 4
+    def seconds_at(rows: int) -> float:
+        return 0.010 + 0.001 * (rows - 4)
+
+    taken = plan([0.99, 0.99, 0.99, 0.0], [16, 16, 16, 0], 16.0, 16, None, seconds_at, max_slowdown=1.2)
+    assert sum(taken) == 2
+    # one row alone is never held back by it: its draft is what the longer step buys
+    assert plan([0.9], [4], 4.0, budget=16, max_slowdown=1.0) == [4]
+
+
+def test_step_cost_gives_a_step_s_time_where_it_saw_it_or_between() -> None:
+    cost = StepCost(prior_rows=4.0)
+    assert cost.seconds_at(4) is None
+    cost.observe(4, 0.010)
+    cost.observe(8, 0.014)
+    assert cost.seconds_at(4) == 0.010 and cost.seconds_at(8) == 0.014
+    assert cost.seconds_at(6) == pytest.approx(0.012)  # between the two seen
+    assert cost.seconds_at(2) is None and cost.seconds_at(9) is None  # beyond them: not known
 
 
 def test_step_cost_fits_the_fixed_part_near_the_step_s_rows() -> None:
@@ -242,6 +278,18 @@ def test_step_cost_fits_the_fixed_part_near_the_step_s_rows() -> None:
     assert cost.fixed_rows(2) == MAX_FIXED_ROWS  # 1 to 4 rows cost the same
     assert cost.fixed_rows(16) < 1.0  # 8 to 32 rows: nearly all per row
     assert 1.0 < cost.fixed_rows(6) < MAX_FIXED_ROWS
+
+
+def test_a_sequence_s_credit_is_what_its_drafts_kept_a_step_lately() -> None:
+    state = DraftState()
+    assert state.credit == 0.0
+    for _ in range(30):
+        state.step()
+        state.settle(4, 3)
+    assert state.credit == pytest.approx(3.0, rel=0.01)  # three tokens kept every step
+    for _ in range(30):
+        state.step()  # steps without a draft
+    assert state.credit < 0.01
 
 
 def test_a_sequence_s_rate_of_kept_tokens_follows_its_drafts() -> None:

@@ -110,6 +110,9 @@ class FixedCost(StepCost):
     def fixed_rows(self, rows: int) -> float:
         return self.prior_rows
 
+    def seconds_at(self, rows: int) -> float | None:
+        return None  # the fixed part alone prices a step (speculation.plan)
+
 
 def drafting_core(**overrides: object) -> EngineCore:
     """tiny_core whose drafts are sized as if a step's rows cost nothing: which drafts it makes does not hang on how

@@ -348,6 +348,7 @@ class EngineCore:
         for s, state in zip(batch, states):
             seq = s.seq
             seq.drafts = state
+            state.step()
             if state.pause:
                 state.pause -= 1
                 proposals.append([])
@@ -374,9 +375,10 @@ class EngineCore:
                 masks_left -= len(draft)
             proposals.append(draft)
         rates, lengths = [state.rate for state in states], [len(p) for p in proposals]
-        taken = plan(rates, lengths, fixed_rows, budget)
+        credits = [state.credit for state in states]
+        taken = plan(rates, lengths, fixed_rows, budget, credits, self.step_cost.seconds_at)
         if explore and not any(taken):  # one token, so the step cost of one more row is measured again
-            taken = plan(rates, lengths, MAX_FIXED_ROWS, 1)
+            taken = plan(rates, lengths, MAX_FIXED_ROWS, 1, max_slowdown=math.inf)
         drafts: dict[int, list[int]] = {}
         for s, proposal, n in zip(batch, proposals, taken):
             draft, seq = proposal[:n], s.seq

@@ -21,7 +21,10 @@ fixed part dominates (a few rows), none once the rows' arithmetic does (many row
 miss. A sequence whose draft missed entirely also waits before its next, twice as long after each miss in a row, and
 no draft is made in a step with a prompt chunk or more than `max_rows` decode rows (served, 16 clients ran slower
 with the drafts the fit allowed them) (docs/decisions/0037-draftless-speculation.md and
-0038-speculation-by-step-cost.md have the measurements).
+0038-speculation-by-step-cost.md have the measurements). Nor may drafts make any stream slower: a stream whose text
+repeats nothing, beside streams that copy theirs, would otherwise make one token a step at the pace of their longer
+steps, so a step grows only as far as each of its rows' own tokens (this step's draft, or what its drafts kept
+lately) pay for (docs/decisions/0044-speculation-on-by-default.md).
 
 A stream under a grammar (structured outputs) drafts the text its grammar allows alone from where it stands, else
 its lookup's draft cut where the grammar refuses it (guided.py): each kept token is still sampled under its mask.
@@ -34,6 +37,7 @@ from the text that followed its last tokens in its tenant's earlier requests (or
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -54,6 +58,11 @@ MARGIN = 0.15
 # one step in this many checks one draft token even where the plan says it would not pay: a step count's time is
 # measured only when it runs, and a slow step must not stop drafts for good
 EXPLORE_EVERY = 32
+# how much longer a drafted step may take than the same step without drafts, per token a row expects of the step
+# (plan): no stream's tokens per second fall, in expectation, by more than this because of the drafts of the streams
+# beside it; 5%, about the spread of one row count's step times
+MAX_SLOWDOWN = 1.05
+CREDIT_DECAY = 0.8  # the weight of a sequence's earlier steps in its credit (DraftState.credit) falls by this a step
 
 
 @dataclass(frozen=True)
@@ -92,6 +101,10 @@ class DraftState:
     # sequence starts from the engine's recent rate, hopefully: at least FIRST_RATE, worth PRIOR_TOKENS tokens tried
     kept: float = 3.0
     tried: float = 4.0
+    # the tokens its drafts kept a step lately: an average over its recent decode steps, drafted or not, decaying by
+    # CREDIT_DECAY a step. A stream that drafts well has its speed from them, and may wait in a step beside others'
+    # drafts without one of its own; a stream whose text repeats nothing has none (plan's bound)
+    credit: float = 0.0
     # all its drafts, undecayed: what /stats reports of the sequence once it ends
     total_drafts: int = 0
     total_drafted: int = 0
@@ -111,8 +124,13 @@ class DraftState:
             self.positions.setdefault(tokens[at], []).append(at)
         self.indexed = len(tokens)
 
+    def step(self) -> None:
+        """One more decode step of the sequence's with drafts weighed (its draft, if any, settles after)."""
+        self.credit *= CREDIT_DECAY
+
     def settle(self, drafted: int, accepted: int) -> None:
         """A draft of `drafted` tokens kept `accepted` of them."""
+        self.credit += (1 - CREDIT_DECAY) * accepted
         self.total_drafts += 1
         self.total_drafted += drafted
         self.total_kept += accepted
@@ -145,6 +163,18 @@ class StepCost:
         self.seconds[rows] = mean + (seconds - mean) / weight
         self.weight[rows] = weight
 
+    def seconds_at(self, rows: int) -> float | None:
+        """What a step of `rows` rows takes: its own running mean where seen, else a line between the nearest row
+        counts seen on either side; None beyond them."""
+        if self.weight.get(rows, 0.0) >= 1.0:
+            return self.seconds[rows]
+        seen = sorted(n for n in self.seconds if self.weight[n] >= 1.0)
+        below, above = [n for n in seen if n < rows], [n for n in seen if n > rows]
+        if not below or not above:
+            return None
+        a, b = below[-1], above[0]
+        return self.seconds[a] + (self.seconds[b] - self.seconds[a]) * (rows - a) / (b - a)
+
     def fixed_rows(self, rows: int) -> float:
         """The fixed part of a step of `rows` rows, in rows' worth of time: how many rows it could add before its
         time doubled."""
@@ -161,27 +191,60 @@ class StepCost:
         return min(max((mean_y - per_row * mean_x) / per_row, 0.0), MAX_FIXED_ROWS)
 
 
-def plan(rates: list[float], lengths: list[int], fixed_rows: float, budget: int) -> list[int]:
+def plan(
+    rates: list[float],
+    lengths: list[int],
+    fixed_rows: float,
+    budget: int,
+    credits: list[float] | None = None,
+    seconds_at: Callable[[int], float | None] | None = None,
+    max_slowdown: float = MAX_SLOWDOWN,
+) -> list[int]:
     """How many of each row's draft tokens to check (rows in the step without drafts: len(rates)).
 
     The j-th token of a draft (j from 1) is kept with chance rate^j, as a kept run ends at its first miss. With F the
     fixed part in rows and N the rows so far, a step making E tokens makes E / (F + N) per row's worth of time; one
     more row making v tokens raises that exactly when v > E / (F + N). So tokens are added, likeliest first, while
-    v beats that by MARGIN, at most `budget` of them."""
-    rows = emitted = float(len(rates))
-    taken = [0] * len(rates)
+    v beats that by MARGIN, at most `budget` of them.
+
+    And no row may lose: each row's tokens per time may fall to no less than 1 / `max_slowdown` of what the step
+    without drafts gives it. A row expecting g more tokens from its own draft, or making g more a step lately
+    (`credits`: DraftState.credit), bounds the step's time to max_slowdown × (1 + g) times the undrafted step's. So a
+    stream whose text repeats nothing keeps the drafts beside it out of its steps (but for max_slowdown), while streams
+    that draft well, this step or lately, are bounded by the throughput rule alone. The two steps' times are those
+    measured (`seconds_at`: StepCost.seconds_at) where known, for a line fitted near a few rows says little of a step
+    of many more (on this machine's AMX, rows past 16 cost a second tile's work)."""
+    n = len(rates)
+    rows = emitted = float(n)
+    added: list[tuple[int, float]] = []  # (row, the chance its token is kept), likeliest first
     frontier = [(-rate, i) for i, rate in enumerate(rates) if lengths[i] > 0]
     heapq.heapify(frontier)
+    taken = [0] * n
     while frontier and budget > 0:
         value, i = heapq.heappop(frontier)
         value = -value
         if value <= (1 + MARGIN) * emitted / (fixed_rows + rows):
             break
+        added.append((i, value))
         taken[i] += 1
         rows, emitted, budget = rows + 1, emitted + value, budget - 1
         if taken[i] < lengths[i]:
             heapq.heappush(frontier, (-value * rates[i], i))
-    return taken
+    # the longest run of those tokens under which no row loses; none at all always qualifies
+    undrafted = seconds_at(n) if seconds_at is not None else None
+    credits = credits or [0.0] * n
+    for count in range(len(added), 0, -1):
+        gains = [0.0] * n
+        for i, value in added[:count]:
+            gains[i] += value
+        drafted = seconds_at(n + count) if seconds_at is not None and undrafted else None
+        slower = drafted / undrafted if undrafted and drafted else (fixed_rows + n + count) / (fixed_rows + n)
+        if slower <= max_slowdown * min(1 + max(gain, credit) for gain, credit in zip(gains, credits)):
+            taken = [0] * n
+            for i, _ in added[:count]:
+                taken[i] += 1
+            return taken
+    return [0] * n
 
 
 def propose(tokens: list[int], state: DraftState, k: int, min_n: int, max_n: int) -> list[int]:
