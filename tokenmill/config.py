@@ -116,10 +116,11 @@ class Config:
         " while it is built",
     )
     speculative: str = _opt(
-        "off",
+        "ngram",
         "draftless speculative decoding: ngram guesses a stream's next tokens from text it has seen (prompt"
         " lookup) and the model checks them in the step that computes its next token (the same tokens, more a step,"
-        " and only where that pays); suffix also from the finished requests of the same API key; off checks none",
+        " and only where that pays); suffix also from the finished requests of the same API key; off checks none"
+        " (default: ngram)",
         choices=SPECULATIVE_METHODS,
     )
     num_speculative_tokens: int = _opt(16, "most guessed tokens a stream's step checks (--speculative)")

@@ -68,7 +68,7 @@ def _other_value(field: dataclasses.Field[Any]) -> Any:
     if isinstance(default, tuple):
         return {"kv_cache_weights": (2.0,)}.get(field.name, ("some-key",))
     if isinstance(default, str):
-        others = {"log_level": "debug", "host": "0.0.0.0", "log_format": "json", "speculative": "ngram"}
+        others = {"log_level": "debug", "host": "0.0.0.0", "log_format": "json", "speculative": "off"}
         return others.get(field.name, default + "-other")
     if field.name.startswith("rate_limit_"):
         return "10/min"
