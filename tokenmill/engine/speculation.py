@@ -213,7 +213,7 @@ def plan(
     stream whose text repeats nothing keeps the drafts beside it out of its steps (but for max_slowdown), while streams
     that draft well, this step or lately, are bounded by the throughput rule alone. The two steps' times are those
     measured (`seconds_at`: StepCost.seconds_at) where known, for a line fitted near a few rows says little of a step
-    of many more (on this machine's AMX, rows past 16 cost a second tile's work)."""
+    of many more (with AMX, rows past 16 take a second tile's work)."""
     n = len(rates)
     rows = emitted = float(n)
     added: list[tuple[int, float]] = []  # (row, the chance its token is kept), likeliest first
