@@ -233,18 +233,18 @@ def plan(
     # the longest run of those tokens under which no row loses; none at all always qualifies
     undrafted = seconds_at(n) if seconds_at is not None else None
     credits = credits or [0.0] * n
-    for count in range(len(added), 0, -1):
-        gains = [0.0] * n
-        for i, value in added[:count]:
-            gains[i] += value
+    gains = [0.0] * n
+    longest = 0
+    for count, (i, value) in enumerate(added, start=1):
+        gains[i] += value
         drafted = seconds_at(n + count) if seconds_at is not None and undrafted else None
         slower = drafted / undrafted if undrafted and drafted else (fixed_rows + n + count) / (fixed_rows + n)
         if slower <= max_slowdown * min(1 + max(gain, credit) for gain, credit in zip(gains, credits)):
-            taken = [0] * n
-            for i, _ in added[:count]:
-                taken[i] += 1
-            return taken
-    return [0] * n
+            longest = count
+    taken = [0] * n
+    for i, _ in added[:longest]:
+        taken[i] += 1
+    return taken
 
 
 def propose(tokens: list[int], state: DraftState, k: int, min_n: int, max_n: int) -> list[int]:
