@@ -39,6 +39,7 @@ COMPANIONS: dict[str, dict[str, Any]] = {
 VALUES: dict[str, Any] = {  # str fields whose text Config checks
     **{name: "90/min" for name in RATE_LIMITS},
     "speculative_config": '{"method": "ngram", "prompt_lookup_max": 3}',
+    "lora": ("tuned=/adapters/tuned", "terse=/adapters/terse.gguf"),
 }
 
 

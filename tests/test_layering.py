@@ -28,7 +28,7 @@ ALLOWED: dict[str, set[str]] = {
 }
 # a part that may use only some modules of another: what it runs on, never how that part is put together
 ONLY_MODULES: dict[tuple[str, str], set[str]] = {
-    ("engine", "model"): {"causal_lm", "attention", "model_config"},  # the model's interface, no family's classes
+    ("engine", "model"): {"causal_lm", "attention", "model_config", "lora"},  # the model's interface, no family's
     ("api", "engine"): {
         "outputs",
         "sampling",

@@ -137,6 +137,20 @@ class Config:
         "a GGUF model's Q8_0 LM head also kept with 6-bit codes (3/4 of its bytes more memory): a lone greedy"
         " stream's step reads that copy and computes exactly only the logits that can be the largest (the same tokens)",
     )
+    # --- LoRA adapters (engine/adapters.py) ---
+    lora: tuple[str, ...] = _opt(
+        (),
+        "a LoRA adapter served beside the model, NAME=PATH (a PEFT directory or a GGUF LoRA file); a request whose"
+        " model is NAME runs the model with it; repeatable (vLLM's --lora-modules)",
+        aliases=("--lora-modules",),
+    )
+    max_loras: int = _opt(8, "most LoRA adapters loaded at once (--lora and runtime loads together)")
+    max_lora_rank: int = _opt(64, "largest LoRA rank an adapter may have")
+    allow_runtime_lora: bool = _opt(
+        False,
+        "POST /v1/load_lora_adapter and /v1/unload_lora_adapter load and unload adapters while serving (behind the"
+        " API key where there is one): off by default, since a load reads any path the server can",
+    )
     # --- server ---
     host: str = _opt("127.0.0.1", "address to listen on")
     port: int = _opt(8000, "port to listen on")
@@ -245,6 +259,7 @@ class Config:
             if text is not None:
                 parse_rate(text, name)
         self._check_replicas()
+        self._check_lora()
         count = max(len(self.model), 1)
         if len(self.served_model_name) > count:
             raise ConfigError(f"{len(self.served_model_name)} served model names for {count} model(s)")
@@ -298,6 +313,32 @@ class Config:
             raise ConfigError("replicas, min_replicas and max_replicas must be at least 1, min <= max")
         if self.target_ongoing_requests is not None and self.target_ongoing_requests <= 0:
             raise ConfigError("target_ongoing_requests must be positive")
+
+    def _check_lora(self) -> None:
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ConfigError("max_loras and max_lora_rank must be at least 1")
+        if not (self.lora or self.allow_runtime_lora):
+            return
+        if len(self.lora) > self.max_loras:
+            raise ConfigError(f"{len(self.lora)} --lora adapters, more than --max-loras {self.max_loras}")
+        names = [name for name, _ in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ConfigError("two --lora adapters have the same name")
+        if len(self.model) > 1:
+            raise ConfigError("LoRA adapters are served beside one --model; this config serves several")
+        if self.on_ray:
+            raise ConfigError("LoRA adapters are not served with --replicas (one process serves them)")
+
+    @property
+    def lora_modules(self) -> list[tuple[str, str]]:
+        """--lora as (name, path) pairs."""
+        pairs = []
+        for entry in self.lora:
+            name, sep, path = entry.partition("=")
+            if not (sep and name and path):
+                raise ConfigError(f"--lora takes NAME=PATH, got {entry!r}")
+            pairs.append((name, path))
+        return pairs
 
     @property
     def on_ray(self) -> bool:

@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from tokenmill.engine.outputs import (
+    AdapterInfo,
+    AdapterLoadError,
     EngineDescription,
     FinishReason,
     RequestOutput,
@@ -129,6 +131,15 @@ class FakeEngine:
 
     def stats(self) -> FakeStats:
         return FakeStats(requests=len(self.requests), aborted=len(self.aborted))
+
+    def adapters(self) -> list[AdapterInfo]:
+        return []
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        raise AdapterLoadError("the fake engine serves no adapters")
+
+    async def unload_adapter(self, name: str) -> None:
+        raise KeyError(name)
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams

@@ -66,7 +66,7 @@ def _other_value(field: dataclasses.Field[Any]) -> Any:
     if isinstance(default, int | float):
         return default * 2 + 1
     if isinstance(default, tuple):
-        return {"kv_cache_weights": (2.0,)}.get(field.name, ("some-key",))
+        return {"kv_cache_weights": (2.0,), "lora": ("tuned=/adapters/tuned",)}.get(field.name, ("some-key",))
     if isinstance(default, str):
         others = {"log_level": "debug", "host": "0.0.0.0", "log_format": "json", "speculative": "off"}
         return others.get(field.name, default + "-other")

@@ -25,7 +25,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tokenmill.api import errors, protocol, web
+from tokenmill.api import errors, lora, protocol, web
 from tokenmill.api.access_log import (
     CLIENT_CLOSED_REQUEST,
     REQUEST_ID_HEADER,
@@ -48,6 +48,7 @@ from tokenmill.api.record import pseudonym
 from tokenmill.api.sse import SSEResponse
 from tokenmill.config import Config
 from tokenmill.engine.content_filter import ContentFilter
+from tokenmill.engine.outputs import AdapterInfo
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,9 @@ def create_app(engines: Engine | Sequence[Engine], config: Config) -> FastAPI:
     app.state.engines = {engine.model_name: engine for engine in served}  # in the order given: the first is the default
     if len(app.state.engines) != len(served):
         raise ValueError(f"two models are served as the same id ({[e.model_name for e in served]}): name them apart")
+    clashes = [a.name for e in served for a in e.adapters() if a.name in app.state.engines]
+    if clashes:
+        raise ValueError(f"LoRA adapter {clashes[0]!r} has the name of a model served: name them apart")
     app.state.config = config
     app.state.created = int(time.time())
     app.state.roots = dict(zip(app.state.engines, config.model_roots, strict=False))  # model cards' `root`
@@ -77,6 +81,8 @@ def create_app(engines: Engine | Sequence[Engine], config: Config) -> FastAPI:
     for name, engine in app.state.engines.items():
         engine.add_step_observer(app.state.metrics.step_observer(name))
     app.include_router(router)
+    if config.allow_runtime_lora:
+        app.include_router(lora.router)
     app.include_router(web.router)
     # Starlette types every handler as taking any Exception; it calls each only with the class it is registered for
     app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
@@ -88,7 +94,8 @@ def create_app(engines: Engine | Sequence[Engine], config: Config) -> FastAPI:
         public = PUBLIC_PATHS | {METRICS_PATH} if config.metrics_public else PUBLIC_PATHS
         app.add_middleware(BearerAuth, keys=config.api_key, public=public)
     app.add_middleware(CORSMiddleware, **cors_options(config))  # outside the key check: preflights carry no key
-    routes = [*router.routes, *web.router.routes]  # what the access log and /metrics name a request by
+    # what the access log and /metrics name a request by
+    routes = [*router.routes, *lora.router.routes, *web.router.routes]
     app.add_middleware(AccessLog, metrics=app.state.metrics, routes=routes)  # last added: the outermost
     return app
 
@@ -124,13 +131,23 @@ def _engines(request: Request) -> dict[str, Engine]:
 
 
 def _engine(request: Request, model: str | None = None) -> Engine:
-    """The engine serving `model`; None: the first model (endpoints where the model is optional)."""
+    """The engine serving `model` (a LoRA adapter's: the model it is served beside); None: the first model
+    (endpoints where the model is optional)."""
+    return _target(request, model)[0]
+
+
+def _target(request: Request, model: str | None) -> tuple[Engine, AdapterInfo | None]:
+    """The engine serving `model`, and the adapter `model` names (None: the model itself)."""
     engines = _engines(request)
     if model is None:
-        return next(iter(engines.values()))
-    if model not in engines:
-        raise errors.model_not_found(model)
-    return engines[model]
+        return next(iter(engines.values())), None
+    if model in engines:
+        return engines[model], None
+    for engine in engines.values():
+        for adapter in engine.adapters():
+            if adapter.name == model:
+                return engine, adapter
+    raise errors.model_not_found(model)
 
 
 def _admission(request: Request) -> Admission:
@@ -168,7 +185,7 @@ async def _complete(request: Request, quota: Quota, arrived: float) -> Response:
     admission = _admission(request)
     body = parse_request(CompletionRequest, await request.body())
     quota.user = body.user
-    engine = _engine(request, body.model)
+    engine, adapter = _target(request, body.model)
     admission.check_open(engine.is_healthy())
     quota.check()  # out of requests: refused before its prompts are tokenised
     state = request.app.state
@@ -180,7 +197,14 @@ async def _complete(request: Request, quota: Quota, arrived: float) -> Response:
 
     def prepared() -> Completion:
         return Completion(
-            body, engine, limits, state.content_filter, arrived_at=arrived, bos_before_ids=bos, tenant=quota.key
+            body,
+            engine,
+            limits,
+            state.content_filter,
+            arrived_at=arrived,
+            bos_before_ids=bos,
+            tenant=quota.key,
+            adapter=adapter,
         )
 
     completion = await asyncio.to_thread(prepared)  # tokenising and the grammar's check, off the event loop
@@ -263,20 +287,25 @@ async def _text_bound(limits: RequestLimits, engine: Engine) -> TextBound:
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    return protocol.model_list([_model_card(request, engine) for engine in _engines(request).values()])
+    """Every model served, then the LoRA adapters served beside each (`parent`: that model)."""
+    engines = _engines(request).values()
+    cards = [_model_card(request, engine) for engine in engines]
+    cards += [_model_card(request, engine, adapter) for engine in engines for adapter in engine.adapters()]
+    return protocol.model_list(cards)
 
 
 @router.get("/v1/models/{model_id:path}")
 async def retrieve_model(request: Request, model_id: str) -> dict[str, Any]:
-    return _model_card(request, _engine(request, model_id))
+    return _model_card(request, *_target(request, model_id))
 
 
-def _model_card(request: Request, engine: Engine) -> dict[str, Any]:
+def _model_card(request: Request, engine: Engine, adapter: AdapterInfo | None = None) -> dict[str, Any]:
     state = request.app.state
-    root = state.roots.get(engine.model_name, engine.model_name)
-    return protocol.model_card(
-        engine.model_name, state.created, engine.max_model_len, engine.tokenizer.supports_fim, root
-    )
+    fim, model_len = engine.tokenizer.supports_fim, engine.max_model_len
+    if adapter is None:
+        root = state.roots.get(engine.model_name, engine.model_name)
+        return protocol.model_card(engine.model_name, state.created, model_len, fim, root)
+    return protocol.model_card(adapter.name, state.created, model_len, fim, adapter.path, parent=engine.model_name)
 
 
 @router.get("/health")

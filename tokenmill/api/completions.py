@@ -47,7 +47,7 @@ from tokenmill.api.record import CompletionRecord, PromptRecord, pseudonym
 from tokenmill.engine import guided
 from tokenmill.engine.content_filter import ContentFilter
 from tokenmill.engine.guided import GuideError
-from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.outputs import AdapterInfo, RequestOutput
 from tokenmill.engine.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -65,6 +65,7 @@ class Completion:
         arrived_at: float | None = None,
         bos_before_ids: bool = False,
         tenant: str | None = None,
+        adapter: AdapterInfo | None = None,
     ) -> None:
         self.arrived_at = time.monotonic() if arrived_at is None else arrived_at  # when the request came in
         self.admitted_at: float | None = None  # set by whoever admits it (the app)
@@ -78,6 +79,8 @@ class Completion:
             self.params = dataclasses.replace(self.params, content_filter=content_filter)
         if tenant is not None:
             self.params = dataclasses.replace(self.params, tenant=tenant)
+        if adapter is not None:  # a LoRA adapter served beside the engine's model (request.model names it)
+            self.params = dataclasses.replace(self.params, adapter=adapter.name)
         if request.suffix and engine.tokenizer.supports_fim:  # a filled-in middle ends at the model's end tokens
             ends = self.params.stop_token_ids + engine.tokenizer.fim_end_ids
             self.params = dataclasses.replace(self.params, stop_token_ids=ends)
@@ -106,8 +109,8 @@ class Completion:
         self.meta = CompletionMeta(
             id=f"cmpl-{uuid.uuid4().hex}",
             created=int(time.time()),
-            model=engine.model_name,
-            system_fingerprint=engine.system_fingerprint,
+            model=adapter.name if adapter else engine.model_name,
+            system_fingerprint=adapter.system_fingerprint if adapter else engine.system_fingerprint,
         )
         # the engine shares its steps fairly between requests: every prompt and choice of this one is one turn
         self.params = dataclasses.replace(self.params, fairness_key=self.meta.id)

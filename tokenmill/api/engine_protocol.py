@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, ClassVar, Protocol
 
-from tokenmill.engine.outputs import EngineDescription, RequestOutput, StepReport
+from tokenmill.engine.outputs import AdapterInfo, EngineDescription, RequestOutput, StepReport
 from tokenmill.engine.sampling import SamplingParams
 
 
@@ -100,3 +100,9 @@ class Engine(Protocol):
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]: ...
+
+    def adapters(self) -> Sequence[AdapterInfo]: ...  # the LoRA adapters it serves, by name; [] where none
+
+    async def load_adapter(self, name: str, path: str) -> None: ...  # AdapterLoadError: why it cannot
+
+    async def unload_adapter(self, name: str) -> None: ...  # KeyError: no adapter has that name

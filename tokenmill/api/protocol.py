@@ -388,6 +388,20 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
+class LoadLoraAdapterRequest(_Strict):
+    """vLLM's POST /v1/load_lora_adapter."""
+
+    lora_name: Annotated[str, Field(min_length=1, max_length=256)]
+    lora_path: Annotated[str, Field(min_length=1, max_length=4096)]
+
+
+class UnloadLoraAdapterRequest(_Strict):
+    """vLLM's POST /v1/unload_lora_adapter (`lora_int_id`, its other way to name one, is accepted and not needed)."""
+
+    lora_name: Annotated[str, Field(min_length=1, max_length=256)]
+    lora_int_id: int | None = None
+
+
 # --- parsing: pydantic errors → one APIError naming the field ------------------------------------------------------
 M = TypeVar("M", bound=BaseModel)
 
@@ -509,16 +523,19 @@ def completion_chunk(
     return chunk
 
 
-def model_card(model_id: str, created: int, max_model_len: int, supports_suffix: bool, root: str) -> dict[str, Any]:
+def model_card(
+    model_id: str, created: int, max_model_len: int, supports_suffix: bool, root: str, parent: str | None = None
+) -> dict[str, Any]:
     """OpenAI's model object, plus vLLM's `root` (what it was loaded from: a path, or the package that carries it),
-    `parent` (null: not an adapter), max_model_len, and whether `suffix` (fill-in-the-middle) works."""
+    `parent` (a LoRA adapter's model; null: not an adapter), max_model_len, and whether `suffix` (fill-in-the-middle)
+    works."""
     return {
         "id": model_id,
         "object": "model",
         "created": created,
         "owned_by": "tokenmill",
         "root": root,
-        "parent": None,
+        "parent": parent,
         "max_model_len": max_model_len,
         "supports_suffix": supports_suffix,
     }

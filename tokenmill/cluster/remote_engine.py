@@ -26,7 +26,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from tokenmill.cluster.replica import ReplicaInfo, ReplicaSnapshot, summed
 from tokenmill.engine.core import EngineStats
-from tokenmill.engine.outputs import EngineDescription, RequestOutput, StepReport
+from tokenmill.engine.outputs import AdapterInfo, AdapterLoadError, EngineDescription, RequestOutput, StepReport
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.tokenizer import Tokenizer
 
@@ -104,6 +104,16 @@ class RemoteEngine:
 
     def health(self) -> dict[str, int]:
         return {"replicas": self.running_replicas, "target_replicas": self.target_replicas}
+
+    def adapters(self) -> list[AdapterInfo]:
+        """None: replicas serve the base model only (a start refuses --lora with --replicas)."""
+        return []
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        raise AdapterLoadError("LoRA adapters are not served with --replicas")
+
+    async def unload_adapter(self, name: str) -> None:
+        raise KeyError(name)
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams

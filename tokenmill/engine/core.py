@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from tokenmill.engine.adapters import AdapterRegistry, LoadedAdapter
 from tokenmill.engine.guided import GuideError
 from tokenmill.engine.kv_cache import BlockManager
 from tokenmill.engine.outputs import FinishReason, RequestOutput, StepReport, TokenLogprob
@@ -100,8 +101,10 @@ class EngineCore:
         eos_ids: set[int],
         max_model_len: int,
         speculative: SpeculativeConfig | None = None,
+        adapters: AdapterRegistry | None = None,
     ) -> None:
         self.runner = runner
+        self.adapters = adapters  # LoRA adapters a request may name (SamplingParams.adapter); None: none can be
         self.tokenizer = tokenizer
         self.blocks = blocks
         self.scheduler = scheduler
@@ -125,6 +128,7 @@ class EngineCore:
         state = RequestState(request_id, list(prompt_ids), params, vocab_size=self.runner.cfg.vocab_size)
         self.requests[request_id] = state
         try:
+            state.adapter = self._adapter(params.adapter)
             parent = state.add_sequence(0, self.tokenizer)
             if params.max_tokens == 0 and params.prompt_logprobs is None:
                 self._finish_without_output(parent)  # nothing to compute: answered on the next step
@@ -133,6 +137,32 @@ class EngineCore:
         except Exception as exc:
             log.exception("adding request %s failed", request_id)
             self.fail(request_id, _describe(exc))
+
+    def _adapter(self, name: str | None) -> LoadedAdapter | None:
+        if name is None:
+            return None
+        found = self.adapters.get(name) if self.adapters is not None else None
+        if found is None:
+            raise ValueError(f"no LoRA adapter named {name!r} is loaded")
+        return found
+
+    # ---- adapters (called between steps: AsyncEngine.between_steps) ----
+    def load_adapter(self, name: str, path: str) -> LoadedAdapter:
+        if self.adapters is None:
+            raise ValueError("this engine serves no LoRA adapters")
+        return self.adapters.load(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """KeyError where no adapter has that name."""
+        if self.adapters is None:
+            raise KeyError(name)
+        self.adapters.unload(name, self._slots_in_use())
+
+    def loaded_adapters(self) -> list[LoadedAdapter]:
+        return self.adapters.loaded() if self.adapters is not None else []
+
+    def _slots_in_use(self) -> set[int]:
+        return {s.adapter.slot for state in self.requests.values() for s in state.seqs if s.adapter is not None}
 
     def abort(self, request_id: str) -> None:
         state = self.requests.pop(request_id, None)
@@ -165,6 +195,8 @@ class EngineCore:
     # ---- the step ----
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
+        if self.adapters is not None and self.adapters.retiring:
+            self.adapters.release_unused(self._slots_in_use())
         batch = self.scheduler.schedule()
         if batch:
             decoding = self.speculative.enabled and all(_decode_row(s) for s in batch)

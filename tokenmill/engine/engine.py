@@ -11,14 +11,15 @@ final error output instead of waiting forever, and `is_healthy()` turns false.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from tokenmill.engine.core import EngineCore, EngineStats
-from tokenmill.engine.outputs import EngineDescription, RequestOutput, StepReport
+from tokenmill.engine.outputs import AdapterInfo, AdapterLoadError, EngineDescription, RequestOutput, StepReport
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.tokenizer import Tokenizer
 
@@ -99,6 +100,7 @@ class AsyncEngine:
         self.max_model_len = core.max_model_len
         self._lock = threading.Lock()
         self._adds: list[_Add] = []
+        self._calls: list[tuple[Callable[[], Any], Future[Any]]] = []  # run on the engine thread between steps
         self._aborts: list[str] = []
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._wakeup = threading.Event()
@@ -147,6 +149,35 @@ class AsyncEngine:
         thread-safe); add observers before `start`."""
         self.core.step_observers.append(observe)
 
+    # ---- LoRA adapters ----
+    def adapters(self) -> list[AdapterInfo]:
+        return [
+            AdapterInfo(a.name, a.path, adapter_fingerprint(self.system_fingerprint, a.digest))
+            for a in self.core.loaded_adapters()
+        ]
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Loads the adapter at `path` under `name`, between two steps (AdapterError: why it cannot be served)."""
+        try:
+            await self.between_steps(lambda: self.core.load_adapter(name, path))
+        except Exception as exc:
+            log.warning("adapter %r from %s not loaded: %s", name, path, exc)
+            raise AdapterLoadError(str(exc) or type(exc).__name__) from exc
+
+    async def unload_adapter(self, name: str) -> None:
+        """KeyError where no adapter has that name; requests running with it finish with it."""
+        await self.between_steps(lambda: self.core.unload_adapter(name))
+
+    async def between_steps(self, fn: Callable[[], T]) -> T:
+        """fn() on the engine's thread, before its next step (or at once where the step loop is not running)."""
+        if self._task is None or self._task.done():
+            return await asyncio.wrap_future(self._executor.submit(fn))
+        done: Future[T] = Future()
+        with self._lock:
+            self._calls.append((fn, done))
+        self._wake()
+        return await asyncio.wrap_future(done)
+
     # ---- requests ----
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Outputs:
         """Queues the request at once and returns its outputs as they come. The engine takes it at its next step
@@ -193,6 +224,10 @@ class AsyncEngine:
         except Exception:
             log.exception("the engine loop died; the server can no longer serve")
         finally:
+            with self._lock:
+                calls, self._calls = self._calls, []
+            for _, done in calls:
+                done.set_exception(RuntimeError("the engine stopped"))
             self._deliver_threadsafe(None)
 
     def _deliver_threadsafe(self, outputs: list[RequestOutput] | None) -> None:
@@ -217,9 +252,16 @@ class AsyncEngine:
 
     def _has_pending(self) -> bool:
         with self._lock:
-            return bool(self._adds or self._aborts or self.core.has_work)
+            return bool(self._adds or self._aborts or self._calls or self.core.has_work)
 
     def _step(self) -> list[RequestOutput]:
+        with self._lock:
+            calls, self._calls = self._calls, []
+        for fn, done in calls:
+            try:
+                done.set_result(fn())
+            except Exception as exc:  # noqa: BLE001 (told to the caller, whose call it was)
+                done.set_exception(exc)
         with self._lock:
             adds, self._adds = self._adds, []
             aborts, self._aborts = self._aborts, []
@@ -234,3 +276,8 @@ class AsyncEngine:
             log.exception("engine step failed")
             with self._lock:
                 return self.core.fail_all(f"engine error: {type(exc).__name__}: {exc}")
+
+
+def adapter_fingerprint(model_fingerprint: str, digest: str) -> str:
+    """The system_fingerprint of a model's responses with an adapter: its own, changed by the adapter's weights."""
+    return "fp_" + hashlib.sha256(f"{model_fingerprint}|lora {digest}".encode()).hexdigest()[:12]

@@ -64,16 +64,22 @@ def block_hash(parent: bytes, tokens: Seq[int]) -> bytes:
     return digest.digest()
 
 
-def chain_root(salt: str | None) -> bytes:
-    """Where a chain starts: nothing without a salt, the salt's own hash with one (32 bytes, so never equal)."""
-    return b"" if salt is None else hashlib.sha256(b"cache_salt\0" + salt.encode()).digest()
+def chain_root(salt: str | None, adapter: str | None = None) -> bytes:
+    """Where a chain starts: nothing without a salt or an adapter (the digest of its weights), else their hash (32
+    bytes, so never equal)."""
+    if salt is None and adapter is None:
+        return b""
+    digest = hashlib.sha256(b"cache_salt\0" + salt.encode() if salt is not None else b"no_salt\0")
+    if adapter is not None:
+        digest.update(b"\0adapter\0" + adapter.encode())
+    return digest.digest()
 
 
 class PrefixHashes:
     """A sequence's chained block hashes, computed once each as its blocks fill (its tokens only ever grow)."""
 
-    def __init__(self, salt: str | None = None) -> None:
-        self.root = chain_root(salt)
+    def __init__(self, salt: str | None = None, adapter: str | None = None) -> None:
+        self.root = chain_root(salt, adapter)
         self.hashes: list[bytes] = []
 
     def block(self, index: int, tokens: Seq[int], block_size: int) -> bytes:

@@ -77,3 +77,17 @@ class EngineDescription:
     kv_ram_bytes: int = 0
     kv_disk_dir: str | None = None
     kv_disk_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """A LoRA adapter an engine serves: the name a request's `model` picks it by, and what it was loaded from."""
+
+    name: str
+    path: str
+    system_fingerprint: str  # the model's, with the adapter's weights in it
+
+
+class AdapterLoadError(Exception):
+    """An adapter that cannot be loaded (not found, not LoRA, built for another model, over a limit): the message
+    says which and why, in one line."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.engine.adapters import LoadedAdapter
 from tokenmill.engine.detok import IncrementalDetokenizer
 from tokenmill.engine.guided import GuidedState
 from tokenmill.engine.outputs import RequestOutput, SequenceDelta
@@ -30,6 +31,7 @@ class RequestState:
     reported: set[int] = field(default_factory=set)  # seq indices whose finish has been reported
     sent_first: bool = False
     vocab_size: int = 0  # the model's logits width (a grammar's token masks are this wide)
+    adapter: LoadedAdapter | None = None  # the LoRA adapter its sequences run with (SamplingParams.adapter)
 
     @property
     def is_finished(self) -> bool:
@@ -42,7 +44,7 @@ class RequestState:
         detok = IncrementalDetokenizer(tokenizer, self.prompt_ids, self.params.skip_special_tokens)
         guide = self.params.guide
         guided = GuidedState(guide, tokenizer, self.vocab_size) if guide is not None else None
-        seq = Sequence(self.request_id, index, self.prompt_ids, self.params, detok, generator, guided)
+        seq = Sequence(self.request_id, index, self.prompt_ids, self.params, detok, generator, guided, self.adapter)
         self.seqs.append(seq)
         return seq
 

@@ -34,7 +34,15 @@ class ModelRunner:
         summary are left in `head` (else None), as logits_summarised(that row, greedy_keep) would give them. Both
         hold until the next forward (CausalLM.forward_step, which enters torch's inference mode where it needs it)."""
         input_ids, positions, meta = self.prepare(batch)
-        hidden, self.head = self.model.forward_step(input_ids, positions, self.kv_caches, meta, greedy_keep)
+        adapters = self.model.adapters
+        if adapters is None:
+            hidden, self.head = self.model.forward_step(input_ids, positions, self.kv_caches, meta, greedy_keep)
+            return hidden
+        adapters.rows.set((s.seq.adapter.slot if s.seq.adapter else None, s.num_tokens) for s in batch)
+        try:
+            hidden, self.head = self.model.forward_step(input_ids, positions, self.kv_caches, meta, greedy_keep)
+        finally:
+            adapters.rows.clear()
         return hidden
 
     @torch.inference_mode()

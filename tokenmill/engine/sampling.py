@@ -57,6 +57,10 @@ class SamplingParams:
     n: int = 1
     # Starts the prefix cache's hash chain: only requests with the same salt share cached KV blocks (vLLM's).
     cache_salt: str | None = None
+    # The LoRA adapter (by the name it was loaded under) the model runs with for this request; None: the base model.
+    # Its weights' digest joins the salt at the start of the prefix cache's chain: KV made under one adapter is never
+    # another's.
+    adapter: str | None = None
     # Sequences with the same key share one fair turn in the scheduler (the edge gives each HTTP request its own, so
     # all its prompts and choices are one); None: this engine request alone.
     fairness_key: str | None = None

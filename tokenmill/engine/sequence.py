@@ -7,6 +7,7 @@ from enum import Enum, auto
 
 import torch
 
+from tokenmill.engine.adapters import LoadedAdapter
 from tokenmill.engine.detok import IncrementalDetokenizer
 from tokenmill.engine.guided import GuidedState
 from tokenmill.engine.kv_cache import PrefixHashes
@@ -34,6 +35,7 @@ class Sequence:
         detok: IncrementalDetokenizer,
         generator: torch.Generator | None,
         guided: GuidedState | None = None,
+        adapter: LoadedAdapter | None = None,
     ) -> None:
         self.seq_id = next(_ids)
         self.request_id = request_id
@@ -43,7 +45,8 @@ class Sequence:
         self.params = params
         self.status = Status.WAITING
         self.block_table: list[int] = []
-        self.prefix = PrefixHashes(params.cache_salt)  # its blocks' prefix-cache keys
+        self.adapter = adapter  # the LoRA adapter its rows run with; None: the base model
+        self.prefix = PrefixHashes(params.cache_salt, adapter.digest if adapter else None)  # its blocks' cache keys
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.registered_blocks = 0  # leading blocks of block_table offered to the prefix cache (register_full_blocks)
         self.num_cached_tokens = 0  # prompt tokens reused from the prefix cache at first admission

@@ -21,6 +21,7 @@ import torch
 from tokenmill.kernels import ops
 from tokenmill.model.attention import AttentionMetadata, key_list_bounds
 from tokenmill.model.gguf_linear import GgufEmbedding, GgufLinear
+from tokenmill.model.lora import StepRows, unwrap
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 Rope = tuple[torch.Tensor, torch.Tensor]
@@ -37,6 +38,12 @@ class CLayer:
     self_attn: Any  # the layer's attention module (its window)
     _plan: ops.DecoderLayerPlan | None = None  # None once planned: the C layer cannot run this layer
     _planned = False
+    lora_rows: StepRows | None = None  # which of a step's rows use an adapter (model/lora.py), where any may
+
+    @property
+    def adapted_step(self) -> bool:
+        """Some of this step's rows use an adapter, which only the modules apply."""
+        return self.lora_rows is not None and bool(self.lora_rows.groups)
 
     def c_plan_for(self, dtype: torch.dtype) -> ops.DecoderLayerPlan | None:
         """The plan where this layer runs as one C call on activations of `dtype` (bf16 only); else None."""
@@ -52,8 +59,9 @@ class CLayer:
         raise NotImplementedError
 
     def c_plan_for_step(self, x: torch.Tensor, kv_cache: KVCache) -> ops.DecoderLayerPlan | None:
-        """The plan where this step runs this layer in C: bf16 activations and a bf16 or int8 cache; else None."""
-        return cache_plan(self.c_plan_for(x.dtype), kv_cache)
+        """The plan where this step runs this layer in C: bf16 activations and a bf16 or int8 cache, no adapter
+        rows; else None."""
+        return None if self.adapted_step else cache_plan(self.c_plan_for(x.dtype), kv_cache)
 
     def c_call(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor | None:
         """The layer as one C call where it can run so (its output), else None: the modules' turn."""
@@ -344,9 +352,10 @@ def _embeds_in_c(embed: Any) -> bool:
     return True
 
 
-def projections(attn: Any, mlp: Any) -> tuple[torch.nn.Module, ...]:
-    """A layer's four projections, in PROJECTIONS' order (its attention and MLP modules name them alike)."""
-    return (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+def projections(attn: Any, mlp: Any) -> tuple[Any, ...]:
+    """A layer's four projections, in PROJECTIONS' order (its attention and MLP modules name them alike), without
+    their adapters (model/lora.py)."""
+    return tuple(unwrap(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
 
 
 def plannable(attn: Any, mlp: Any) -> bool:
@@ -360,24 +369,25 @@ def plannable(attn: Any, mlp: Any) -> bool:
         )
         and attn.head_dim % 16 == 0
         and attn.head_dim <= min(ops.MAX_ATTENTION_HEAD_DIM, ops.MAX_HEAD_DIM)
-        and mlp.gate_up_proj.out_features % 32 == 0
+        and projections(attn, mlp)[2].out_features % 32 == 0
     )
 
 
 def layer_plan(attn: Any, mlp: Any, **fields: Any) -> ops.DecoderLayerPlan:
     """The plan: the shapes and the attention's scale from the layer's modules, `fields` the rest (eps, the norms'
     factors' addresses), and the four projections' parts (qkv, o, gate_up, down)."""
+    linears = projections(attn, mlp)
     plan = ops.DecoderLayerPlan(
-        hidden=attn.o_proj.out_features,
+        hidden=linears[1].out_features,
         heads=attn.num_heads,
         kv_heads=attn.num_kv_heads,
         head_dim=attn.head_dim,
-        ffn=mlp.gate_up_proj.out_features // 2,
+        ffn=linears[2].out_features // 2,
         scale=attn.scale,
         softcap=0.0,
         **fields,
     )
-    for field, linear in zip(PROJECTIONS, projections(attn, mlp), strict=True):
+    for field, linear in zip(PROJECTIONS, linears, strict=True):
         assert isinstance(linear, GgufLinear)
         projection = getattr(plan, field)
         projection.k, projection.n = linear.k, linear.out_features

@@ -22,6 +22,7 @@ from tokenmill.model.c_layer import CLayer, LayerStack
 from tokenmill.model.gguf_linear import GgufLinear
 from tokenmill.model.layers import RMSNorm, Rotary
 from tokenmill.model.linear import TiledInt8Linear, chunked_linear, float32_product
+from tokenmill.model.lora import AdapterSlots
 from tokenmill.model.model_config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (keys, values), each (num_slots, Hkv, D)
@@ -78,6 +79,21 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.layer_stack = LayerStack()  # every layer in one C call where they all run in C
+        self.adapters: AdapterSlots | None = None  # LoRA adapters' slots, once enable_adapters has wrapped the linears
+
+    def enable_adapters(self) -> AdapterSlots:
+        """Wraps the decoder layers' linears so that LoRA adapters can be installed and chosen per row (model/lora.py);
+        call once the linears are prepared. A step whose rows use no adapter runs as before (the C layers too)."""
+        if self.adapters is None:
+            self.adapters = AdapterSlots(self.model.layers, self.config, type(self).STACKED_PROJECTIONS)
+            for layer in self.model.layers:
+                if isinstance(layer, CLayer):
+                    layer.lora_rows = self.adapters.rows
+        return self.adapters
+
+    def _adapted_step(self) -> bool:
+        """Some of this step's rows use an adapter: the modules run it, not the C calls, which know of none."""
+        return self.adapters is not None and bool(self.adapters.rows.groups)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: (T,) → (T, H), the residual stream's start."""
@@ -106,9 +122,10 @@ class CausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
     ) -> torch.Tensor:
         """input_ids, positions: (T,) → final hidden states (T, hidden)."""
-        in_c = self.layer_stack.forward_ids(self, input_ids.tolist(), positions.tolist(), kv_caches, meta)
-        if in_c is not None:
-            return in_c[0]
+        if not self._adapted_step():
+            in_c = self.layer_stack.forward_ids(self, input_ids.tolist(), positions.tolist(), kv_caches, meta)
+            if in_c is not None:
+                return in_c[0]
         return self._forward_modules(input_ids, positions, kv_caches, meta)
 
     def forward_step(
@@ -127,6 +144,9 @@ class CausalLM(nn.Module):
         are overwritten by the next call) and runs outside torch's inference mode (its outputs are buffers no graph
         records); the other paths enter that mode themselves. After a step has streamed the weights through the
         caches, each torch call, even entering a mode, finds its code cold."""
+        if self._adapted_step():
+            with torch.inference_mode():
+                return self._forward_modules(torch.tensor(input_ids), torch.tensor(positions), kv_caches, meta), None
         copy = self._greedy_copy() if keep is not None else None
         if copy is not None and keep is not None:
             found = self.layer_stack.forward_ids(self, input_ids, positions, kv_caches, meta, (*copy, keep), True)
@@ -149,7 +169,9 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         x = self.embed(input_ids)  # (T, H)
         ropes = self.layer_ropes(positions, x.dtype)
-        stacked = self.layer_stack.forward(self.model.layers, x, ropes, kv_caches, meta)
+        stacked = (
+            None if self._adapted_step() else self.layer_stack.forward(self.model.layers, x, ropes, kv_caches, meta)
+        )
         if stacked is not None:
             return self.model.norm(stacked)
         for layer, rope, kv_cache in zip(self.model.layers, ropes, kv_caches):

@@ -4,6 +4,7 @@ the core's parts (block manager, scheduler, model runner) wired together."""
 from __future__ import annotations
 
 from tokenmill.config import Config
+from tokenmill.engine.adapters import AdapterRegistry
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.kv_cache import BlockManager, kv_bytes_per_token
 from tokenmill.engine.kv_tiers import KVTiers
@@ -17,10 +18,18 @@ from tokenmill.tokenizer import Tokenizer
 DEFAULT_MAX_MODEL_LEN = 8192
 
 
-def build_engine_core(model: CausalLM, tokenizer: Tokenizer, config: Config, identity: str = "") -> EngineCore:
-    """Sizes the KV cache from the config and wires the core's parts together (the model's linears are swapped).
+def build_engine_core(
+    model: CausalLM, tokenizer: Tokenizer, config: Config, identity: str = "", model_name: str = "the model"
+) -> EngineCore:
+    """Sizes the KV cache from the config and wires the core's parts together (the model's linears are swapped, and
+    wrapped for LoRA adapters where the config serves any, with its --lora loaded: AdapterError where one cannot be).
     `identity` (the system fingerprint) names what the KV bytes depend on, for the prefix cache's disk tier."""
     prepare_linears(model, config.weight_quantization)
+    adapters = None
+    if config.lora or config.allow_runtime_lora:
+        adapters = AdapterRegistry(model, model_name, config.max_loras, config.max_lora_rank)
+        for name, path in config.lora_modules:
+            adapters.load(name, path)
     cfg = model.config
     dtype = next(model.parameters()).dtype
     block_bytes = kv_bytes_per_token(cfg, dtype, config.kv_cache_dtype) * config.block_size
@@ -41,7 +50,8 @@ def build_engine_core(model: CausalLM, tokenizer: Tokenizer, config: Config, ide
         min_share=float(spec["suffix_decoding_min_token_prob"]),
         corpus=spec["suffix_corpus"],
     )
-    return EngineCore(runner, tokenizer, blocks, scheduler, set(tokenizer.eos_ids), max_model_len, speculative)
+    eos = set(tokenizer.eos_ids)
+    return EngineCore(runner, tokenizer, blocks, scheduler, eos, max_model_len, speculative, adapters)
 
 
 def kv_tiers(runner: ModelRunner, config: Config, identity: str) -> KVTiers | None:

@@ -16,6 +16,7 @@ from tokenmill.engine.engine import AsyncEngine, engine_thread
 from tokenmill.engine.kv_cache import KVCacheFormatError
 from tokenmill.engine.outputs import EngineDescription
 from tokenmill.model.loading.memory import release_freed_memory, unmap_file_pages
+from tokenmill.model.lora import AdapterError, base_state_dict
 from tokenmill.server.description import describe
 from tokenmill.server.engine_core import build_engine_core
 from tokenmill.server.fingerprint import system_fingerprint
@@ -71,12 +72,12 @@ def load_engine_core(config: Config) -> LoadedEngine:
     if loaded.mapped is not None:  # the file's pages read to regroup blocks: the page cache keeps them, RSS need not
         unmap_file_pages(*loaded.mapped)
     fingerprint = system_fingerprint(loaded.source_id, config)
+    name = config.served_model_name[0] if config.served_model_name else loaded.name
     try:
-        core = build_engine_core(model, tokenizer, config, fingerprint)
-    except KVCacheFormatError as exc:
+        core = build_engine_core(model, tokenizer, config, fingerprint, name)
+    except (KVCacheFormatError, AdapterError) as exc:
         raise ModelLoadError(str(exc)) from exc
     if not loaded.prepared and loaded.cache_entry is not None and quantization not in ("none", "gguf"):
-        save_prepared(model.state_dict(), loaded.cache_entry, dtype, quantization)
+        save_prepared(base_state_dict(model), loaded.cache_entry, dtype, quantization)
     release_freed_memory()
-    name = config.served_model_name[0] if config.served_model_name else loaded.name
     return LoadedEngine(core, name, fingerprint, describe(core, config))

@@ -1,0 +1,223 @@
+"""LoRA adapters applied per row: one step's rows may each run the base model or base + one adapter.
+
+Every adaptable linear of the decoder layers is wrapped in a LoraLinear. The base product runs once for all the
+step's rows; then, for each adapter that some of the rows use, the low-rank part on those rows only: x·Aᵀ (the shrink,
+r columns, every adapted part of a stacked linear's A stacked so that it is one product) and its ·Bᵀ (the expand,
+one per part, its scale folded into B), added to the part's columns. A row without an adapter gets the base product
+and nothing else, whatever its neighbours use.
+
+Adapters sit in numbered slots (AdapterSlots.install); the engine says which rows use which slot before each step
+(`rows`). A step with adapter rows runs the modules, not the C layer (model/c_layer.py), which knows nothing of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.model.linear import chunked_linear
+from tokenmill.model.loading.lora_files import AdapterError, AdapterFile, LowRank, layer_and_name, read_adapter
+
+__all__ = ["AdapterError", "AdapterSlots", "LoraLinear", "StepRows", "base_state_dict", "read_adapter", "unwrap"]
+from tokenmill.model.model_config import ModelConfig
+
+# a decoder layer's linears as its modules hold them (attention's and MLP's), and the checkpoint's projections that a
+# stacked one holds in order (CausalLM.STACKED_PROJECTIONS); an adapter may name either
+ADAPTABLE = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "c_fc", "c_proj")
+Rows = slice | torch.Tensor  # a step's rows of one adapter: a run of them, or their indices
+
+
+@dataclass(frozen=True)
+class PackedUpdate:
+    """One adapter's update of one linear: its parts' A stacked (R, in), each part's (columns, rows of the stacked
+    shrink's output, scale · B)."""
+
+    a: torch.Tensor
+    parts: tuple[tuple[slice, slice, torch.Tensor], ...]
+
+    def add_to(self, y: torch.Tensor, x: torch.Tensor, rows: Rows) -> None:
+        xs = x[rows]
+        shrunk = _product(xs, self.a)  # (rows, R)
+        for columns, ranks, b in self.parts:
+            delta = _product(shrunk[:, ranks], b)
+            if isinstance(rows, slice):
+                y[rows, columns] += delta
+            else:
+                y[rows, columns] = y[rows, columns] + delta
+
+
+def _product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x·wᵀ; in float32 a fixed number of rows per call, as the base linears are (batch invariance: linear.py)."""
+    return chunked_linear(x, w) if x.dtype == torch.float32 else F.linear(x, w)
+
+
+class StepRows:
+    """Which of this step's rows use which adapter slot: (slot, rows) per slot in use, rows without one left out."""
+
+    def __init__(self) -> None:
+        self.groups: list[tuple[int, Rows]] = []
+
+    def set(self, runs: Iterable[tuple[int | None, int]]) -> None:
+        """`runs`: each scheduled sequence's (slot or None, its number of rows), in the step's order."""
+        spans: dict[int, list[tuple[int, int]]] = {}
+        at = 0
+        for slot, count in runs:
+            if slot is not None and count:
+                spans.setdefault(slot, []).append((at, at + count))
+            at += count
+        self.groups = [(slot, _rows(found)) for slot, found in spans.items()]
+
+    def clear(self) -> None:
+        self.groups = []
+
+
+def _rows(spans: list[tuple[int, int]]) -> Rows:
+    merged: list[tuple[int, int]] = []
+    for lo, hi in spans:
+        if merged and merged[-1][1] == lo:
+            merged[-1] = (merged[-1][0], hi)
+        else:
+            merged.append((lo, hi))
+    if len(merged) == 1:
+        return slice(*merged[0])
+    return torch.cat([torch.arange(lo, hi) for lo, hi in merged])
+
+
+class LoraLinear(nn.Module):
+    """A linear plus the low-rank updates of the adapters in its slots, each on the rows that use it."""
+
+    def __init__(self, base: nn.Module, part_widths: Sequence[int], in_features: int, step: StepRows) -> None:
+        super().__init__()
+        self.base = base
+        self.part_widths = tuple(part_widths)  # a stacked linear's parts' output widths, in order
+        self.in_features = in_features
+        self.out_features = sum(part_widths)
+        self.updates: dict[int, PackedUpdate] = {}
+        self._step = step  # shared by every LoraLinear of the model; not a submodule
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        y = self.base(x, *args, **kwargs)
+        for slot, rows in self._step.groups:
+            update = self.updates.get(slot)
+            if update is not None:
+                update.add_to(y, x, rows)
+        return y
+
+
+def base_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """model.state_dict() under the names it has without LoraLinear wrappers (`….qkv_proj.base.x` → `….qkv_proj.x`):
+    what the prepared weights' cache keeps."""
+    wrapped = [name + ".base." for name, module in model.named_modules() if isinstance(module, LoraLinear)]
+    renamed = {}
+    for key, value in model.state_dict().items():
+        prefix = next((p for p in wrapped if key.startswith(p)), None)
+        renamed[key if prefix is None else prefix[: -len("base.")] + key[len(prefix) :]] = value
+    return renamed
+
+
+def unwrap(linear: nn.Module) -> nn.Module:
+    """The base linear under a LoraLinear, or the linear itself."""
+    return linear.base if isinstance(linear, LoraLinear) else linear
+
+
+class AdapterSlots:
+    """A model's adaptable linears wrapped, and the adapters installed in them by slot."""
+
+    def __init__(self, layers: Iterable[nn.Module], cfg: ModelConfig, stacked: dict[str, tuple[str, ...]]) -> None:
+        self.cfg = cfg
+        self.rows = StepRows()
+        # a checkpoint module's path → (the wrapper that holds it, the index of its part; None: the whole linear)
+        self.targets: dict[str, tuple[LoraLinear, int | None]] = {}
+        widths = _widths(cfg)
+        for i, layer in enumerate(layers):
+            for holder_name in ("self_attn", "mlp"):
+                holder = getattr(layer, holder_name)
+                for name in ADAPTABLE:
+                    base = getattr(holder, name, None)
+                    if base is None:
+                        continue
+                    parts = stacked.get(name, (name,))
+                    wrapper = LoraLinear(base, [widths[p][1] for p in parts], widths[parts[0]][0], self.rows)
+                    setattr(holder, name, wrapper)
+                    prefix = f"model.layers.{i}.{holder_name}."
+                    self.targets[prefix + name] = (wrapper, None)
+                    if len(parts) > 1:
+                        self.targets.update({prefix + p: (wrapper, k) for k, p in enumerate(parts)})
+
+    def check(self, adapter: AdapterFile, model_name: str) -> None:
+        """Raises AdapterError where `adapter` names a module this model lacks or shapes that differ from its."""
+        for module, update in adapter.modules.items():
+            target = self.targets.get(module)
+            if target is None:
+                where = layer_and_name(module)
+                what = "no adaptable linear" if where is None or where[0] < self.cfg.num_layers else "no such layer"
+                raise AdapterError(
+                    f"adapter {adapter.path} (built for {adapter.built_for}) does not fit {model_name} "
+                    f"({self.cfg.architecture}, {self.cfg.num_layers} layers): {module} is {what} there"
+                )
+            wrapper, part = target
+            out = wrapper.out_features if part is None else wrapper.part_widths[part]
+            if update.a.shape[1] != wrapper.in_features or update.b.shape[0] != out:
+                raise AdapterError(
+                    f"adapter {adapter.path} (built for {adapter.built_for}) does not fit {model_name} "
+                    f"({self.cfg.architecture}): {module} is {update.a.shape[1]} → {update.b.shape[0]} in the adapter, "
+                    f"{wrapper.in_features} → {out} in the model"
+                )
+
+    def install(self, slot: int, adapter: AdapterFile, dtype: torch.dtype) -> None:
+        """Puts `adapter` (checked) in `slot` of every linear it adapts, in the activations' dtype."""
+        by_wrapper: dict[int, tuple[LoraLinear, list[tuple[int | None, LowRank]]]] = {}
+        for module, update in adapter.modules.items():
+            wrapper, part = self.targets[module]
+            by_wrapper.setdefault(id(wrapper), (wrapper, []))[1].append((part, update))
+        for wrapper, updates in by_wrapper.values():
+            wrapper.updates[slot] = _pack(wrapper, updates, dtype)
+
+    def remove(self, slot: int) -> None:
+        for wrapper, _ in self.targets.values():
+            wrapper.updates.pop(slot, None)
+
+    def wrappers(self) -> list[LoraLinear]:
+        return list({id(w): w for w, _ in self.targets.values()}.values())
+
+
+def _pack(wrapper: LoraLinear, updates: list[tuple[int | None, LowRank]], dtype: torch.dtype) -> PackedUpdate:
+    starts = [0]
+    for width in wrapper.part_widths:
+        starts.append(starts[-1] + width)
+    a_blocks, parts, rank_at = [], [], 0
+    for part, update in sorted(updates, key=lambda u: -1 if u[0] is None else u[0]):
+        columns = slice(0, wrapper.out_features) if part is None else slice(starts[part], starts[part + 1])
+        a_blocks.append(update.a)
+        ranks = slice(rank_at, rank_at + update.rank)
+        rank_at += update.rank
+        parts.append((columns, ranks, (update.b * update.scale).to(dtype).contiguous()))
+    return PackedUpdate(torch.cat(a_blocks).to(dtype).contiguous(), tuple(parts))
+
+
+def _widths(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Every projection's (input, output) width, by its checkpoint name and by its stacked name."""
+    q, kv, hidden, ffn = (
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+        cfg.hidden_size,
+        cfg.intermediate_size,
+    )
+    return {
+        "q_proj": (hidden, q),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "qkv_proj": (hidden, q + 2 * kv),
+        "o_proj": (q, hidden),
+        "gate_proj": (hidden, ffn),
+        "up_proj": (hidden, ffn),
+        "gate_up_proj": (hidden, 2 * ffn),
+        "down_proj": (ffn, hidden),
+        "c_fc": (hidden, ffn),
+        "c_proj": (ffn, hidden),
+    }
