@@ -1,4 +1,4 @@
-"""The kernels written once over vec16.h (attention, the gated activations, argmax): their AVX2 build (-march=haswell)
+"""The kernels written once over vec16.h (attention, the gated activations, argmax, LoRA updates): their AVX2 build (-march=haswell)
 gives the native build's bits, so a CPU without AVX-512 computes what one with it does (on an AVX-512 machine this
 holds the two paths equal; on an AVX2 one, the two compilations)."""
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.kernels.avx2_build import RUNS_HERE, avx2_library
+from tests.kernels.lora_updates import packed
 from tokenmill.kernels import ops
 
 pytestmark = pytest.mark.skipif(not RUNS_HERE, reason="the AVX2 build cannot run here")
@@ -111,3 +112,18 @@ def test_argmax(avx2: ctypes.CDLL) -> None:
     out = torch.empty(5, dtype=torch.int64)
     assert avx2.argmax_rows(x.data_ptr(), 5, n, out.data_ptr(), 2) == 0
     assert out.tolist() == ops.argmax_rows(x) == x.argmax(dim=-1).tolist()
+
+
+@pytest.mark.skipif(ops.library() is None, reason="no native kernels here")
+def test_lora_update(avx2: ctypes.CDLL) -> None:
+    _, update = packed([1024, 256, 256], 640, [16, 16, 16])
+    x = torch.randn(5, 640, generator=torch.Generator().manual_seed(7)).to(BF16)
+    y = torch.randn(5, 1536, generator=torch.Generator().manual_seed(8)).to(BF16)
+    native, out = y.clone(), y.clone()
+    rows = [0, 1, 4]
+    ops.lora_update_rows(update.c, rows, x, native)
+    indices = (ctypes.c_int64 * 3)(*rows)
+    avx2.lora_update_rows(
+        ctypes.addressof(update.c), ctypes.addressof(indices), 3, x.data_ptr(), 640, out.data_ptr(), 1536, 2
+    )
+    assert torch.equal(native.view(torch.int16), out.view(torch.int16))

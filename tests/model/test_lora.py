@@ -143,6 +143,10 @@ def test_bf16_gguf_base_rows_keep_their_c_path_beside_adapters(tmp_path: Path) -
     case = Case("gemma3", "gemma3", tmp_path / "hf", base, {}, {}, tmp_path)
     core = core_for(case, {"tuned": tmp_path / "peft"}, dtype="bfloat16", model=gguf_model)
     assert core.runner.model.layers_in_c(torch.bfloat16)
+    assert core.adapters is not None
+    core.adapters.slots.rows.set([(0, 1), (None, 1)])
+    assert core.adapters.slots.c_step() is not None  # the adapter's rows run in the layers' C call too (lora.c)
+    core.adapters.slots.rows.clear()
     tuned, plain = run_together(core, ["tuned", None], max_tokens=6)
     (alone,) = run_together(core_for(case, {}, dtype="bfloat16", model=gguf_model), [None], max_tokens=6)
     assert plain == alone

@@ -53,6 +53,7 @@ SOURCES = [
         "paged_attention.c",
         "argmax.c",
         "gelu.c",
+        "lora.c",
         "decoder_layer.c",
         "token_splits.c",
         "copy_regions.c",
@@ -118,6 +119,9 @@ SIGNATURES: dict[str, tuple[CType | None, list[CType]]] = {
     "decoder_stack": (_INT, [_INT, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _INT]),
     "decoder_forward": (_INT, [_INT, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _INT]),
     "token_splits": (_I64, [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64]),
+    "lora_add": (None, [_PTR, _I64, _I64, _PTR, _I64, _PTR, _I64, _INT]),
+    "lora_update_rows": (None, [_PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _INT]),
+    "lora_has": (_INT, [_PTR, _I64, _I64]),
 }
 _warned: set[str] = set()
 

@@ -37,17 +37,20 @@ static int project(const gguf_linear *linear, const uint16_t *x, int64_t t, uint
 /* act (t, ffn) bf16 = the gated MLP's activations of x (t, gate_up.k): gelu_tanh (gelu != 0) or silu of the gate's
  * products times the up's. Where gate_up is one part (both halves of one type) the product and the activation are one
  * pass (gguf_matmul_gated); otherwise the products go to `products` (t, 2 ffn) and the activation is a pass of its
- * own. The same bits either way. */
+ * own. The same bits either way. With adapters' updates of gate_up (`lora`) always the latter, the updates added to
+ * the products. */
 static int gated_mlp(const gguf_linear *gate_up, const uint16_t *x, int64_t t, int64_t ffn, uint16_t *products,
-                     uint16_t *act, int gelu, int threads) {
+                     uint16_t *act, int gelu, const lora_step *lora, int64_t layer, int threads) {
     const gguf_part *p = &gate_up->part[0];
+    const int adapted = lora_has(lora, layer, 2); /* adapters' updates go between the products and the activation */
     int status;
-    if (gate_up->parts == 1 && p->at == 0 && p->n == 2 * ffn) {
+    if (gate_up->parts == 1 && p->at == 0 && p->n == 2 * ffn && !adapted) {
         status = gguf_matmul_gated(x, gate_up->k, t, gate_up->k, (int)p->type, p->packed, ffn, act, ffn, gelu, threads);
         if (status != -1) return status; /* -1: an ffn that is not a multiple of 16, or no activation kernels */
     }
     status = project(gate_up, x, t, products, threads);
     if (status) return status;
+    lora_add(lora, layer, 2, x, gate_up->k, products, 2 * ffn, threads);
     (gelu ? gelu_mul : silu_mul)(products, 2 * ffn, t, ffn, act, threads);
     return 0;
 }
@@ -107,9 +110,12 @@ static int attend(const decoder_layer_plan *p, const layer_scratch *s, int64_t t
 #define ROWS_IN_PARALLEL
 #endif
 
-int gemma3_layer(const decoder_layer_plan *p, const uint16_t *x, uint16_t *out, int64_t t, const uint16_t *cos,
-                 const uint16_t *signed_sin, void *k_cache, void *v_cache, const int64_t *slot_mapping,
-                 const int64_t *slots, const int64_t *offset, const int64_t *count, int threads) {
+/* the layer, with the updates of the adapters of the step's rows where `lora` is not NULL (it is layer `layer` of
+ * the stack) */
+static int gemma3_adapted(const decoder_layer_plan *p, const uint16_t *x, uint16_t *out, int64_t t, const uint16_t *cos,
+                          const uint16_t *signed_sin, void *k_cache, void *v_cache, const int64_t *slot_mapping,
+                          const int64_t *slots, const int64_t *offset, const int64_t *count, const lora_step *lora,
+                          int64_t layer, int threads) {
     const int64_t hidden = p->hidden, ffn = p->ffn;
     layer_scratch s;
     int status = scratch_for(p, t, &s);
@@ -119,26 +125,36 @@ int gemma3_layer(const decoder_layer_plan *p, const uint16_t *x, uint16_t *out, 
     ROWS_IN_PARALLEL
     for (int64_t r = 0; r < t; r++) rms_norm(x + r * hidden, hidden, p->input_norm, s.h + r * hidden, 1, hidden, p->eps);
     if ((status = project(&p->qkv, s.h, t, s.qkv, threads))) goto done;
+    lora_add(lora, layer, 0, s.h, hidden, s.qkv, p->qkv.n, threads);
     ROWS_IN_PARALLEL
     for (int64_t r = 0; r < t; r++)
         norm_rotary(s.qkv + r * p->qkv.n, p->qkv.n, p->qk_factor, cos + r * d, signed_sin + r * d, s.qk + r * heads * d,
                     1, heads, d, p->eps);
     if ((status = attend(p, &s, t, k_cache, v_cache, slot_mapping, slots, offset, count, threads))) goto done;
     if ((status = project(&p->o, s.attn, t, s.h, threads))) goto done;
+    lora_add(lora, layer, 1, s.attn, p->o.k, s.h, hidden, threads);
     ROWS_IN_PARALLEL
     for (int64_t r = 0; r < t; r++) {
         const int64_t at = r * hidden;
         add_rms_norm(x + at, s.h + at, p->post_attention_norm, out + at, 1, hidden, p->eps);
         rms_norm(out + at, hidden, p->pre_feedforward_norm, s.h + at, 1, hidden, p->eps);
     }
-    if ((status = gated_mlp(&p->gate_up, s.h, t, ffn, s.gate_up, s.act, 1, threads))) goto done;
+    if ((status = gated_mlp(&p->gate_up, s.h, t, ffn, s.gate_up, s.act, 1, lora, layer, threads))) goto done;
     if ((status = project(&p->down, s.act, t, s.h, threads))) goto done;
+    lora_add(lora, layer, 3, s.act, ffn, s.h, hidden, threads);
     ROWS_IN_PARALLEL
     for (int64_t r = 0; r < t; r++) /* in place: a row is read before it is written */
         add_rms_norm(out + r * hidden, s.h + r * hidden, p->post_feedforward_norm, out + r * hidden, 1, hidden, p->eps);
 done:
     free(s.h);
     return status;
+}
+
+int gemma3_layer(const decoder_layer_plan *p, const uint16_t *x, uint16_t *out, int64_t t, const uint16_t *cos,
+                 const uint16_t *signed_sin, void *k_cache, void *v_cache, const int64_t *slot_mapping,
+                 const int64_t *slots, const int64_t *offset, const int64_t *count, int threads) {
+    return gemma3_adapted(p, x, out, t, cos, signed_sin, k_cache, v_cache, slot_mapping, slots, offset, count, NULL, 0,
+                          threads);
 }
 
 /* out = bf16(a + b) row by row, b's row repeated when b_stride is 0 (a bias): torch's bf16 add */
@@ -155,9 +171,10 @@ static void add_rows(const uint16_t *a, int64_t a_stride, const uint16_t *b, int
  * it: h = weighted_rms_norm(x, input_norm); qkv = h @ Wqkv (+ bias); (q, k) = rotary(qkv's q and k heads, cos, sin);
  * the step's k and v rows to their cache slots; a = paged_attention(q, ...); x = x + a @ Wo;
  * x = x + down(silu_mul(weighted_rms_norm(x, post_attention_norm) @ Wgate_up)). */
-int llama_layer(const decoder_layer_plan *p, const uint16_t *x, uint16_t *out, int64_t t, const uint16_t *cos,
-                const uint16_t *signed_sin, void *k_cache, void *v_cache, const int64_t *slot_mapping,
-                const int64_t *slots, const int64_t *offset, const int64_t *count, int threads) {
+static int llama_adapted(const decoder_layer_plan *p, const uint16_t *x, uint16_t *out, int64_t t, const uint16_t *cos,
+                         const uint16_t *signed_sin, void *k_cache, void *v_cache, const int64_t *slot_mapping,
+                         const int64_t *slots, const int64_t *offset, const int64_t *count, const lora_step *lora,
+                         int64_t layer, int threads) {
     const int64_t hidden = p->hidden, ffn = p->ffn;
     layer_scratch s;
     int status = scratch_for(p, t, &s);
@@ -165,25 +182,36 @@ int llama_layer(const decoder_layer_plan *p, const uint16_t *x, uint16_t *out, i
 
     weighted_rms_norm(x, hidden, p->input_norm, s.h, t, hidden, p->eps);
     if ((status = project(&p->qkv, s.h, t, s.qkv, threads))) goto done;
+    lora_add(lora, layer, 0, s.h, hidden, s.qkv, p->qkv.n, threads);
     if (p->qkv_bias != NULL) add_rows(s.qkv, p->qkv.n, p->qkv_bias, 0, s.qkv, t, p->qkv.n);
     rotary(s.qkv, p->qkv.n, cos, signed_sin, s.qk, t, p->heads + p->kv_heads, p->head_dim);
     if ((status = attend(p, &s, t, k_cache, v_cache, slot_mapping, slots, offset, count, threads))) goto done;
     if ((status = project(&p->o, s.attn, t, s.h, threads))) goto done;
+    lora_add(lora, layer, 1, s.attn, p->o.k, s.h, hidden, threads);
     add_rows(x, hidden, s.h, hidden, out, t, hidden);
     weighted_rms_norm(out, hidden, p->post_attention_norm, s.h, t, hidden, p->eps);
-    if ((status = gated_mlp(&p->gate_up, s.h, t, ffn, s.gate_up, s.act, 0, threads))) goto done;
+    if ((status = gated_mlp(&p->gate_up, s.h, t, ffn, s.gate_up, s.act, 0, lora, layer, threads))) goto done;
     if ((status = project(&p->down, s.act, t, s.h, threads))) goto done;
+    lora_add(lora, layer, 3, s.act, ffn, s.h, hidden, threads);
     add_rows(out, hidden, s.h, hidden, out, t, hidden);
 done:
     free(s.h);
     return status;
 }
 
+int llama_layer(const decoder_layer_plan *p, const uint16_t *x, uint16_t *out, int64_t t, const uint16_t *cos,
+                const uint16_t *signed_sin, void *k_cache, void *v_cache, const int64_t *slot_mapping,
+                const int64_t *slots, const int64_t *offset, const int64_t *count, int threads) {
+    return llama_adapted(p, x, out, t, cos, signed_sin, k_cache, v_cache, slot_mapping, slots, offset, count, NULL, 0,
+                         threads);
+}
+
 /* A step's whole stack of layers in one call: layer i runs as gemma3_layer (gemma != 0) or llama_layer would from
  * Python, reading the previous layer's output, with the cos / sin and key lists of its kind (kinds->..[layers[i].kind]:
  * Gemma 3's sliding-window layers and its global ones differ in both). Why: per layer, Python's module call, its
  * views and a ctypes call of 13 arguments cost a few percent of a single stream's step on the default model. The
- * outputs alternate between `out` and `spare` (t rows of hidden each), so that the last layer's lands in `out`.
+ * outputs alternate between `out` and `spare` (t rows of hidden each), so that the last layer's lands in `out`. Where
+ * kinds->lora is not NULL, each layer adds the updates of the adapters of the step's rows (lora.c).
  * Returns the first failing layer's status. */
 int decoder_stack(int gemma, const stack_layer *layers, int64_t n, const stack_kinds *kinds, const uint16_t *x,
                   uint16_t *out, uint16_t *spare, int64_t t, const int64_t *slot_mapping, int threads) {
@@ -193,9 +221,9 @@ int decoder_stack(int gemma, const stack_layer *layers, int64_t n, const stack_k
         int64_t k = l->kind;
         if (k < 0 || k >= STACK_KINDS) return -1;
         uint16_t *dst = (n - 1 - i) % 2 == 0 ? out : spare;
-        int status = (gemma ? gemma3_layer : llama_layer)(l->plan, in, dst, t, kinds->cos[k], kinds->signed_sin[k],
-                                                          l->k_cache, l->v_cache, slot_mapping, kinds->slots[k],
-                                                          kinds->offset[k], kinds->count[k], threads);
+        int status = (gemma ? gemma3_adapted : llama_adapted)(
+            l->plan, in, dst, t, kinds->cos[k], kinds->signed_sin[k], l->k_cache, l->v_cache, slot_mapping,
+            kinds->slots[k], kinds->offset[k], kinds->count[k], kinds->lora, i, threads);
         if (status) return status;
         in = dst;
     }

@@ -127,9 +127,40 @@ typedef struct {
     void *k_cache, *v_cache;
     int64_t kind;
 } stack_layer;
+/* LoRA adapters on a step's rows (lora.c, model/lora.py): each adapter with rows in the step is a group; for a layer's
+ * projection (LORA_PROJECTIONS of them, in the plan's order: qkv, o, gate_up, down) a group's update adds, to its rows
+ * of the product, h · Bᵀ for each part, h = x · Aᵀ the shrink (float32), rounded to bf16 once. ops.LoraPart,
+ * ops.LoraUpdate and ops.LoraStep mirror these. */
+#define LORA_MAX_PARTS 3
+#define LORA_PROJECTIONS 4
+typedef struct {
+    const uint16_t *bt; /* (rank, n) bf16: the part's B transposed, times the adapter's scale */
+    int64_t at, n;      /* the output columns it adds to */
+    int64_t r0, rank;   /* its columns of the shrink's output */
+} lora_part;
+typedef struct {
+    const uint16_t *a; /* (rank, k) bf16: every part's A, stacked */
+    int64_t k, rank, parts;
+    lora_part part[LORA_MAX_PARTS];
+} lora_update;
+typedef struct {
+    int64_t groups, layers;
+    const int64_t *group_end; /* group g's rows: rows[g ? group_end[g - 1] : 0 .. group_end[g]) */
+    const int64_t *rows;
+    const lora_update *const *const *tables; /* per group: (layers × LORA_PROJECTIONS) updates, NULL where none */
+} lora_step;
+/* out (rows, out_stride) bf16 += every group's update of `layer`'s `projection` on its rows of x (rows, x_stride) */
+void lora_add(const lora_step *l, int64_t layer, int64_t projection, const uint16_t *x, int64_t x_stride,
+              uint16_t *out, int64_t out_stride, int threads);
+/* one update on `count` rows (their indices in `rows`): lora_add's work for one group */
+void lora_update_rows(const lora_update *u, const int64_t *rows, int64_t count, const uint16_t *x, int64_t x_stride,
+                      uint16_t *out, int64_t out_stride, int threads);
+int lora_has(const lora_step *l, int64_t layer, int64_t projection);
+
 typedef struct {
     const uint16_t *cos[STACK_KINDS], *signed_sin[STACK_KINDS];
     const int64_t *slots[STACK_KINDS], *offset[STACK_KINDS], *count[STACK_KINDS];
+    const lora_step *lora; /* the step's adapters' updates; NULL: no row has one */
 } stack_kinds;
 int decoder_stack(int gemma, const stack_layer *layers, int64_t n, const stack_kinds *kinds, const uint16_t *x,
                   uint16_t *out, uint16_t *spare, int64_t t, const int64_t *slot_mapping, int threads);

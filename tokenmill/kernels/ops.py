@@ -47,6 +47,8 @@ GGUF_GROUP = _LIMITS["GGUF_GROUP"]  # gguf_matmul's output columns per regrouped
 GGUF_Q8_0_HIGH6 = _LIMITS["GGUF_Q8_0_HIGH6"]  # a Q8_0 head's codes less two bits (gguf_greedy_row's copy)
 STACK_KINDS = _LIMITS["STACK_KINDS"]  # the (rope, key lists) pairs one decoder_stack call tells its layers apart by
 GGUF_LINEAR_MAX_PARTS = _LIMITS["GGUF_LINEAR_MAX_PARTS"]  # a projection's parts in decoder_layer.c's plan
+LORA_MAX_PARTS = _LIMITS["LORA_MAX_PARTS"]  # the parts of one adapter's update of a projection (lora.c)
+LORA_PROJECTIONS = _LIMITS["LORA_PROJECTIONS"]  # a layer's projections an adapter may update, in the plan's order
 
 
 _loading = threading.Lock()
@@ -629,9 +631,60 @@ class StackLayer(ctypes.Structure):
 
 
 class StackKinds(ctypes.Structure):
-    """kernels.h's stack_kinds: per kind, the step's cos / signed sin ((T, head_dim) bf16) and key lists."""
+    """kernels.h's stack_kinds: per kind, the step's cos / signed sin ((T, head_dim) bf16) and key lists; and the
+    step's LoRA updates (a LoraStep's address; None: no row has an adapter)."""
 
     _fields_ = [(name, ctypes.c_void_p * STACK_KINDS) for name in ("cos", "signed_sin", "slots", "offset", "count")]
+    _fields_ += [("lora", ctypes.c_void_p)]
+
+
+class LoraPart(ctypes.Structure):
+    """kernels.h's lora_part: (rank, n) bf16 Bᵀ (scale folded in) adding to output columns [at, at + n) from the
+    shrink's columns [r0, r0 + rank)."""
+
+    _fields_ = [(name, ctypes.c_void_p if name == "bt" else ctypes.c_int64) for name in ("bt", "at", "n", "r0", "rank")]
+
+
+class LoraUpdate(ctypes.Structure):
+    """kernels.h's lora_update: one adapter's update of one projection: (rank, k) bf16 A, its parts."""
+
+    _fields_ = [
+        ("a", ctypes.c_void_p),
+        ("k", ctypes.c_int64),
+        ("rank", ctypes.c_int64),
+        ("parts", ctypes.c_int64),
+        ("part", LoraPart * LORA_MAX_PARTS),
+    ]
+
+
+class LoraStep(ctypes.Structure):
+    """kernels.h's lora_step: a step's groups (an adapter's rows each) and each group's table of updates."""
+
+    _fields_ = [
+        ("groups", ctypes.c_int64),
+        ("layers", ctypes.c_int64),
+        ("group_end", ctypes.c_void_p),
+        ("rows", ctypes.c_void_p),
+        ("tables", ctypes.c_void_p),
+    ]
+
+
+def lora_update_rows(update: LoraUpdate, rows: Sequence[int], x: torch.Tensor, out: torch.Tensor) -> None:
+    """out[rows] += the update's low-rank product of x[rows], in place (x, out: 2-D bf16, contiguous rows); what
+    the C layers do for each adapter's rows (tests compare it with model/lora.py's torch path)."""
+    if x.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 or x.stride(1) != 1 or out.stride(1) != 1:
+        raise ValueError("lora_update_rows takes bf16 rows, each contiguous")
+    indices = (ctypes.c_int64 * len(rows))(*rows)
+    _lib().lora_update_rows(
+        ctypes.addressof(update),
+        ctypes.addressof(indices),
+        len(rows),
+        x.data_ptr(),
+        x.stride(0),
+        out.data_ptr(),
+        out.stride(0),
+        torch.get_num_threads(),
+    )
 
 
 def decoder_stack(

@@ -114,6 +114,7 @@ class LayerStack:
         meta: AttentionMetadata,
         greedy: tuple[torch.Tensor, torch.Tensor, int, list[int]] | None = None,
         reuse: bool = False,
+        lora: ops.LoraStep | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, int] | None] | None:
         """The final norm's output for the step's token ids in one C call (ops.decoder_forward): the embedding, the
         rotary rows, the layers and the final norm, the same kernels in the same order as the modules' path, so the
@@ -121,7 +122,8 @@ class LayerStack:
         the caller embeds and calls `forward`. Built once for a set of caches, as `forward`'s array. `greedy`: the
         last row's greedy head in the same call (ops.decoder_forward), whose (logits, argmax) come second: the logits
         are the plan's, overwritten by the next such call. `reuse`: the output is the plan's too (an engine step's,
-        read before the next), so that a decode step makes no torch call at all."""
+        read before the next), so that a decode step makes no torch call at all. `lora`: the updates of the adapters
+        that the step's rows use (model/lora.py's AdapterSlots.c_step)."""
         if not self.enabled:
             return None
         if kv_caches is not self._whole_caches:
@@ -131,6 +133,7 @@ class LayerStack:
             return None
         whole.point_at_tables(max(meta.context_lens))
         step = ops.StackKinds()
+        step.lora = ctypes.addressof(lora) if lora is not None else None
         keep = []  # the arrays `step` points into, alive through the call
         slots = whole.slots_address(meta.slots)
         for k, window in enumerate(whole.windows):

@@ -92,8 +92,17 @@ class CausalLM(nn.Module):
         return self.adapters
 
     def _adapted_step(self) -> bool:
-        """Some of this step's rows use an adapter: the modules run it, not the C calls, which know of none."""
+        """Some of this step's rows use an adapter."""
         return self.adapters is not None and bool(self.adapters.rows.groups)
+
+    def _step_lora(self) -> tuple[bool, ops.LoraStep | None]:
+        """(whether the step's layers can run as one C call, the adapters' updates it then takes): a step with
+        adapter rows runs in C only where every adapter in it has its C form (lora.c), else in the modules."""
+        if not self._adapted_step():
+            return True, None
+        assert self.adapters is not None
+        lora = self.adapters.c_step()
+        return lora is not None, lora
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: (T,) → (T, H), the residual stream's start."""
@@ -122,10 +131,13 @@ class CausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
     ) -> torch.Tensor:
         """input_ids, positions: (T,) → final hidden states (T, hidden)."""
-        if not self._adapted_step():
-            in_c = self.layer_stack.forward_ids(self, input_ids.tolist(), positions.tolist(), kv_caches, meta)
-            if in_c is not None:
-                return in_c[0]
+        in_c, lora = self._step_lora()
+        if in_c:
+            found = self.layer_stack.forward_ids(
+                self, input_ids.tolist(), positions.tolist(), kv_caches, meta, lora=lora
+            )
+            if found is not None:
+                return found[0]
         return self._forward_modules(input_ids, positions, kv_caches, meta)
 
     def forward_step(
@@ -144,12 +156,13 @@ class CausalLM(nn.Module):
         are overwritten by the next call) and runs outside torch's inference mode (its outputs are buffers no graph
         records); the other paths enter that mode themselves. After a step has streamed the weights through the
         caches, each torch call, even entering a mode, finds its code cold."""
-        if self._adapted_step():
+        in_c, lora = self._step_lora()
+        if not in_c:
             with torch.inference_mode():
                 return self._forward_modules(torch.tensor(input_ids), torch.tensor(positions), kv_caches, meta), None
         copy = self._greedy_copy() if keep is not None else None
         if copy is not None and keep is not None:
-            found = self.layer_stack.forward_ids(self, input_ids, positions, kv_caches, meta, (*copy, keep), True)
+            found = self.layer_stack.forward_ids(self, input_ids, positions, kv_caches, meta, (*copy, keep), True, lora)
             if found is not None:
                 hidden, answer = found
                 if answer is None:  # the copy could not answer: the full pass, as greedy_row's caller takes it
@@ -158,9 +171,9 @@ class CausalLM(nn.Module):
                         return hidden, self.compute_logits_summarised(hidden[-1:])
                 logits, argmax = answer
                 return hidden, (logits, HeadSummary([argmax], [True]))
-        in_c = self.layer_stack.forward_ids(self, input_ids, positions, kv_caches, meta, reuse=True)
-        if in_c is not None:
-            return in_c[0], None
+        stacked = self.layer_stack.forward_ids(self, input_ids, positions, kv_caches, meta, reuse=True, lora=lora)
+        if stacked is not None:
+            return stacked[0], None
         with torch.inference_mode():
             return self._forward_modules(torch.tensor(input_ids), torch.tensor(positions), kv_caches, meta), None
 

@@ -12,14 +12,15 @@ Adapters sit in numbered slots (AdapterSlots.install); the engine says which row
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.kernels import ops
 from tokenmill.model.linear import chunked_linear
 from tokenmill.model.loading.lora_files import AdapterError, AdapterFile, LowRank, layer_and_name, read_adapter
 
@@ -29,31 +30,31 @@ from tokenmill.model.model_config import ModelConfig
 # a decoder layer's linears as its modules hold them (attention's and MLP's), and the checkpoint's projections that a
 # stacked one holds in order (CausalLM.STACKED_PROJECTIONS); an adapter may name either
 ADAPTABLE = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "c_fc", "c_proj")
+# the projections the one-call layers update (kernels.h's LORA_PROJECTIONS, in the order of their plan)
+C_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 Rows = slice | torch.Tensor  # a step's rows of one adapter: a run of them, or their indices
 
 
 @dataclass(frozen=True)
 class PackedUpdate:
-    """One adapter's update of one linear: its parts' A stacked (R, in), each part's (columns, rows of the stacked
-    shrink's output, scale · B)."""
+    """One adapter's update of one linear: its parts' A stacked (R, in), and each part's (columns, rows of the
+    stacked shrink's output, scale · Bᵀ (rank, columns)); in the activations' dtype. `c`: the same as lora.c takes it
+    (bf16 only), pointing into these tensors."""
 
     a: torch.Tensor
     parts: tuple[tuple[slice, slice, torch.Tensor], ...]
+    c: ops.LoraUpdate | None
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor, rows: Rows) -> None:
-        xs = x[rows]
-        shrunk = _product(xs, self.a)  # (rows, R)
-        for columns, ranks, b in self.parts:
-            delta = _product(shrunk[:, ranks], b)
-            if isinstance(rows, slice):
-                y[rows, columns] += delta
-            else:
-                y[rows, columns] = y[rows, columns] + delta
+        """y[rows] += the update of x[rows], as lora.c computes it: float32 sums, rounded to y's dtype once."""
+        shrunk = _product(x[rows].float(), self.a.float())  # (rows, R)
+        for columns, ranks, bt in self.parts:
+            y[rows, columns] = (y[rows, columns].float() + _product(shrunk[:, ranks], bt.float().t())).to(y.dtype)
 
 
 def _product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x·wᵀ; in float32 a fixed number of rows per call, as the base linears are (batch invariance: linear.py)."""
-    return chunked_linear(x, w) if x.dtype == torch.float32 else F.linear(x, w)
+    """x·wᵀ in float32, a fixed number of rows per call (batch invariance, as the base linears: linear.py)."""
+    return chunked_linear(x, w)
 
 
 class StepRows:
@@ -61,6 +62,7 @@ class StepRows:
 
     def __init__(self) -> None:
         self.groups: list[tuple[int, Rows]] = []
+        self.indices: list[tuple[int, list[int]]] = []  # the same groups, each as its rows' indices
 
     def set(self, runs: Iterable[tuple[int | None, int]]) -> None:
         """`runs`: each scheduled sequence's (slot or None, its number of rows), in the step's order."""
@@ -71,9 +73,10 @@ class StepRows:
                 spans.setdefault(slot, []).append((at, at + count))
             at += count
         self.groups = [(slot, _rows(found)) for slot, found in spans.items()]
+        self.indices = [(slot, [r for lo, hi in found for r in range(lo, hi)]) for slot, found in spans.items()]
 
     def clear(self) -> None:
-        self.groups = []
+        self.groups, self.indices = [], []
 
 
 def _rows(spans: list[tuple[int, int]]) -> Rows:
@@ -133,6 +136,8 @@ class AdapterSlots:
         self.rows = StepRows()
         # a checkpoint module's path → (the wrapper that holds it, the index of its part; None: the whole linear)
         self.targets: dict[str, tuple[LoraLinear, int | None]] = {}
+        self.projections: list[list[LoraLinear | None]] = []  # per layer, in C_PROJECTIONS' order (lora.c's)
+        self._tables: dict[int, ctypes.Array[ctypes.c_void_p]] = {}  # slot → its updates for lora.c, by layer
         widths = _widths(cfg)
         for i, layer in enumerate(layers):
             for holder_name in ("self_attn", "mlp"):
@@ -148,6 +153,7 @@ class AdapterSlots:
                     self.targets[prefix + name] = (wrapper, None)
                     if len(parts) > 1:
                         self.targets.update({prefix + p: (wrapper, k) for k, p in enumerate(parts)})
+            self.projections.append([self.targets.get(f"model.layers.{i}.{p}", (None,))[0] for p in C_PROJECTIONS])
 
     def check(self, adapter: AdapterFile, model_name: str) -> None:
         """Raises AdapterError where `adapter` names a module this model lacks or shapes that differ from its."""
@@ -177,10 +183,42 @@ class AdapterSlots:
             by_wrapper.setdefault(id(wrapper), (wrapper, []))[1].append((part, update))
         for wrapper, updates in by_wrapper.values():
             wrapper.updates[slot] = _pack(wrapper, updates, dtype)
+        if dtype == torch.bfloat16:
+            self._tables[slot] = self._table(slot)
 
     def remove(self, slot: int) -> None:
         for wrapper, _ in self.targets.values():
             wrapper.updates.pop(slot, None)
+        self._tables.pop(slot, None)
+
+    def _table(self, slot: int) -> ctypes.Array[ctypes.c_void_p]:
+        """lora.c's table of the adapter in `slot`: its update of each layer's projections (NULL where none)."""
+        table = (ctypes.c_void_p * (len(self.projections) * len(C_PROJECTIONS)))()
+        for i, wrappers in enumerate(self.projections):
+            for j, wrapper in enumerate(wrappers):
+                update = wrapper.updates.get(slot) if wrapper is not None else None
+                if update is not None and update.c is not None:
+                    table[i * len(C_PROJECTIONS) + j] = ctypes.addressof(update.c)
+        return table
+
+    def c_step(self) -> ops.LoraStep | None:
+        """This step's groups as lora.c takes them (the arrays it points into kept on it); None where an adapter in
+        it has no C form (not bf16) or no row has one."""
+        if not self.rows.indices or any(slot not in self._tables for slot, _ in self.rows.indices):
+            return None
+        ends, rows, total = [], [], 0
+        for _, indices in self.rows.indices:
+            rows += indices
+            total += len(indices)
+            ends.append(total)
+        arrays = (
+            (ctypes.c_int64 * len(ends))(*ends),
+            (ctypes.c_int64 * len(rows))(*rows),
+            (ctypes.c_void_p * len(ends))(*(ctypes.addressof(self._tables[slot]) for slot, _ in self.rows.indices)),
+        )
+        step = ops.LoraStep(len(ends), len(self.projections), *(ctypes.addressof(a) for a in arrays))
+        step.keep = arrays  # alive as long as the step
+        return step
 
     def wrappers(self) -> list[LoraLinear]:
         return list({id(w): w for w, _ in self.targets.values()}.values())
@@ -196,8 +234,16 @@ def _pack(wrapper: LoraLinear, updates: list[tuple[int | None, LowRank]], dtype:
         a_blocks.append(update.a)
         ranks = slice(rank_at, rank_at + update.rank)
         rank_at += update.rank
-        parts.append((columns, ranks, (update.b * update.scale).to(dtype).contiguous()))
-    return PackedUpdate(torch.cat(a_blocks).to(dtype).contiguous(), tuple(parts))
+        parts.append((columns, ranks, (update.b * update.scale).t().to(dtype).contiguous()))
+    a = torch.cat(a_blocks).to(dtype).contiguous()
+    c = None
+    if dtype == torch.bfloat16 and len(parts) <= ops.LORA_MAX_PARTS:
+        c = ops.LoraUpdate(a.data_ptr(), a.shape[1], a.shape[0], len(parts))
+        for i, (columns, ranks, bt) in enumerate(parts):
+            c.part[i] = ops.LoraPart(
+                bt.data_ptr(), columns.start, columns.stop - columns.start, ranks.start, bt.shape[0]
+            )
+    return PackedUpdate(a, tuple(parts), c)
 
 
 def _widths(cfg: ModelConfig) -> dict[str, tuple[int, int]]:

@@ -296,6 +296,13 @@ def hf_name(gguf_name: str, arch: str) -> str:
     raise UnsupportedModelError(f"{arch} GGUF tensor {gguf_name!r} has no place in this engine's model")
 
 
+def gguf_block_name(module: str, arch: str) -> str:
+    """hf_name's inverse for a decoder layer's module: `model.layers.3.self_attn.q_proj` → `blk.3.attn_q`."""
+    _, _, layer, local = module.split(".", 3)
+    (name,) = [gguf for gguf, hf in _BLOCKS[arch].items() if hf == local]
+    return f"blk.{layer}.{name}"
+
+
 def _convert_tensors(tensors: list[GgufTensor], config: ModelConfig, bar: tqdm) -> dict[str, torch.Tensor]:
     state_dict: dict[str, torch.Tensor] = {}
     for tensor in _weights(tensors):
