@@ -134,7 +134,7 @@ typedef struct {
 #define LORA_MAX_PARTS 3
 #define LORA_PROJECTIONS 4
 typedef struct {
-    const uint16_t *bt; /* (rank, n) bf16: the part's B transposed, times the adapter's scale */
+    const uint16_t *bt; /* bf16 Bᵀ times the adapter's scale, in blocks of 16 columns: (ceil(n / 16), rank, 16) */
     int64_t at, n;      /* the output columns it adds to */
     int64_t r0, rank;   /* its columns of the shrink's output */
 } lora_part;

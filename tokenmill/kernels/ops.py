@@ -639,8 +639,8 @@ class StackKinds(ctypes.Structure):
 
 
 class LoraPart(ctypes.Structure):
-    """kernels.h's lora_part: (rank, n) bf16 Bᵀ (scale folded in) adding to output columns [at, at + n) from the
-    shrink's columns [r0, r0 + rank)."""
+    """kernels.h's lora_part: bf16 Bᵀ (scale folded in) in blocks of 16 columns, (ceil(n / 16), rank, 16), adding to
+    output columns [at, at + n) from the shrink's columns [r0, r0 + rank)."""
 
     _fields_ = [(name, ctypes.c_void_p if name == "bt" else ctypes.c_int64) for name in ("bt", "at", "n", "r0", "rank")]
 

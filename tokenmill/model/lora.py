@@ -44,6 +44,7 @@ class PackedUpdate:
     a: torch.Tensor
     parts: tuple[tuple[slice, slice, torch.Tensor], ...]
     c: ops.LoraUpdate | None
+    c_blocks: tuple[torch.Tensor, ...] = ()  # each part's Bᵀ in lora.c's blocks of 16 columns, which `c` points into
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor, rows: Rows) -> None:
         """y[rows] += the update of x[rows], as lora.c computes it: float32 sums, rounded to y's dtype once."""
@@ -236,14 +237,21 @@ def _pack(wrapper: LoraLinear, updates: list[tuple[int | None, LowRank]], dtype:
         rank_at += update.rank
         parts.append((columns, ranks, (update.b * update.scale).t().to(dtype).contiguous()))
     a = torch.cat(a_blocks).to(dtype).contiguous()
-    c = None
-    if dtype == torch.bfloat16 and len(parts) <= ops.LORA_MAX_PARTS:
-        c = ops.LoraUpdate(a.data_ptr(), a.shape[1], a.shape[0], len(parts))
-        for i, (columns, ranks, bt) in enumerate(parts):
-            c.part[i] = ops.LoraPart(
-                bt.data_ptr(), columns.start, columns.stop - columns.start, ranks.start, bt.shape[0]
-            )
-    return PackedUpdate(a, tuple(parts), c)
+    if dtype != torch.bfloat16 or len(parts) > ops.LORA_MAX_PARTS:
+        return PackedUpdate(a, tuple(parts), None)
+    c = ops.LoraUpdate(a.data_ptr(), a.shape[1], a.shape[0], len(parts))
+    blocks = tuple(_column_blocks(bt) for _, _, bt in parts)
+    for i, ((columns, ranks, bt), blocked) in enumerate(zip(parts, blocks)):
+        n = columns.stop - columns.start
+        c.part[i] = ops.LoraPart(blocked.data_ptr(), columns.start, n, ranks.start, bt.shape[0])
+    return PackedUpdate(a, tuple(parts), c, blocks)
+
+
+def _column_blocks(bt: torch.Tensor) -> torch.Tensor:
+    """(rank, n) → (ceil(n / 16), rank, 16): each block of 16 columns' weights side by side (zeros past n)."""
+    rank, n = bt.shape
+    padded = torch.nn.functional.pad(bt, (0, -n % 16))
+    return padded.view(rank, -1, 16).transpose(0, 1).contiguous()
 
 
 def _widths(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
