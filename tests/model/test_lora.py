@@ -5,7 +5,7 @@ adapter and a request with none, which is left exactly as it is without them."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -58,7 +58,9 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return Case(request.param, arch, root / "hf", base.eval(), merged, {"peft": root / "peft", "gguf": gguf_file}, root)
 
 
-def core_for(case: Case, adapters: dict[str, Path], dtype: str = "float32", model: Path | None = None) -> EngineCore:
+def core_for(
+    case: Case, adapters: dict[str, Path], dtype: str = "float32", model: Path | None = None, **settings: Any
+) -> EngineCore:
     quantization = "none" if dtype == "float32" else None
     lora = tuple(f"{name}={path}" for name, path in adapters.items())
     config = Config(
@@ -69,6 +71,7 @@ def core_for(case: Case, adapters: dict[str, Path], dtype: str = "float32", mode
         lora=lora,
         allow_runtime_lora=True,
         kv_cache_ram_gb=0,
+        **settings,
     )
     return load_engine_core(config).core
 
@@ -154,6 +157,26 @@ def test_bf16_gguf_base_rows_keep_their_c_path_beside_adapters(tmp_path: Path) -
     assert tuned[0][:3] == exact[0][:3]  # bf16 activations: close, not equal
     assert (torch.tensor(tuned[1][:3]) - torch.tensor(exact[1][:3])).abs().max() < 0.1
     assert tuned[1] != plain[1]
+
+
+def test_a_prompts_adapted_rows_are_the_same_in_small_steps_and_large(tmp_path: Path) -> None:
+    """A gated MLP's adapted rows take one pass in a step of few rows and two in a step of many (decoder_layer.c's
+    LORA_FUSED_ROWS): the same bits, so a row's numbers never depend on how many rows shared its step."""
+    import transformers
+
+    write_tiny_model(tmp_path / "hf")
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").float()
+    make_adapter(base, "gemma3", tmp_path / "peft", seed=1, merge=False)
+    gguf_model = write_tiny_gguf(tmp_path / "tiny.gguf", quantize=True, max_position_embeddings=512)
+    case = Case("gemma3", "gemma3", tmp_path / "hf", base, {}, {}, tmp_path)
+    prompt = [2, *torch.randint(3, SIZES["vocab_size"], (119,), generator=torch.Generator().manual_seed(5)).tolist()]
+    scored = []
+    for budget in (512, 16):  # the prompt in one step of 120 rows, then in steps of 16
+        core = core_for(case, {"tuned": tmp_path / "peft"}, "bfloat16", gguf_model, max_num_batched_tokens=budget)
+        core.add_request("r", prompt, SamplingParams(max_tokens=1, prompt_logprobs=0, adapter="tuned"))
+        outputs = [out for _ in range(20) for out in core.step()]
+        scored.append([entry.logprob for out in outputs for entry in out.prompt_logprobs or []])
+    assert len(scored[0]) == len(prompt) and scored[0] == scored[1]
 
 
 def test_kv_made_under_an_adapter_is_never_another_requests(case: Case) -> None:

@@ -71,12 +71,21 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         default=LOOKUP_ARGS,
         help="with --workload --compare: the flags that turn on llama-server's lookup decoding (default: %(default)s)",
     )
+    what.add_argument(
+        "--lora",
+        type=positive_int,
+        metavar="N",
+        help="instead of the standard run: N random LoRA adapters over every linear layer, tokenmill serving them "
+        "and serving none, and with --compare llama-server likewise (GGUF LoRA files); request i takes adapter i "
+        "modulo N",
+    )
+    what.add_argument("--lora-rank", type=positive_int, default=16, help="with --lora: the adapters' rank")
     load = p.add_argument_group("load")
     load.add_argument(
         "--concurrency",
         type=positive_int,
         nargs="+",
-        help="concurrent clients per level (default: 1 4 16; with --workload: 16)",
+        help="concurrent clients per level (default: 1 4 16; with --workload or --lora: 16)",
     )
     load.add_argument("--requests", type=positive_int, help="requests per level (default: 2 × concurrency, at least 4)")
     load.add_argument("--max-tokens", type=positive_int, default=128, help="tokens per request (EOS banned)")

@@ -38,9 +38,21 @@ class LoadSettings:
     # prompt lengths (tokens, about) whose prefill is timed alone: one fresh prompt each, one new token
     prefill_tokens: tuple[int, ...] = (512, 8000)
     prompts: tuple[str, ...] = PROMPTS  # the workload's (workloads.py); requests take them in turn
+    # fields request i adds to its body, the i-th modulo their number (a --lora run's adapter); the single stream's
+    # and the warm-up's are the first
+    variants: tuple[dict[str, Any], ...] = ()
 
     def requests_for(self, concurrency: int) -> int:
         return max(self.requests, 1) if self.requests is not None else max(2 * concurrency, 4)
+
+    def body(
+        self, model: str, i: int, eos_ids: tuple[int, ...], max_tokens: int | None = None, variant: int | None = None
+    ) -> dict[str, Any]:
+        """Request i's body: its prompt (the i-th in turn) and its variant's fields (the i-th, unless told)."""
+        body = completion_body(model, self.prompts[i % len(self.prompts)], max_tokens or self.max_tokens, eos_ids)
+        if not self.variants:
+            return body
+        return {**body, **self.variants[(i if variant is None else variant) % len(self.variants)]}
 
 
 def completion_body(model: str, prompt: str, max_tokens: int, eos_ids: tuple[int, ...]) -> dict[str, Any]:
@@ -137,7 +149,7 @@ async def run_single(
     for i in range(settings.single_runs):
         if time.perf_counter() > deadline:
             break
-        body = completion_body(model, settings.prompts[i % len(settings.prompts)], settings.max_tokens, eos_ids)
+        body = settings.body(model, i, eos_ids, variant=0)
         results.append(await stream_completion(client, base_url, body, settings.request_timeout_s))
     return summarize_single(results)
 
@@ -251,7 +263,7 @@ async def level_requests(
 
     async def client_loop() -> None:
         while time.perf_counter() < deadline and (i := next(indices)) < total:
-            body = completion_body(model, settings.prompts[i % len(settings.prompts)], settings.max_tokens, eos_ids)
+            body = settings.body(model, i, eos_ids)
             results.append((i, await stream_completion(client, base_url, body, settings.request_timeout_s)))
 
     start = time.perf_counter()
@@ -333,7 +345,7 @@ async def bench_url(
     async with make_client(settings) as client:
         model, served_eos = await discover(client, base_url)
         eos_ids = settings.eos_ids if settings.eos_ids is not None else (served_eos or ())
-        warmup = completion_body(model, settings.prompts[0], 8, eos_ids)
+        warmup = settings.body(model, 0, eos_ids, max_tokens=8)
         await stream_completion(client, base_url, warmup, settings.request_timeout_s)
         before = read_bandwidth() if read_bandwidth is not None else None
         single = await run_single(client, base_url, model, settings, eos_ids)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tokenmill.bench.report import format_value, ratios, rows, workload_lines
+from tokenmill.bench.report import format_value, lora_lines, ratios, rows, workload_lines
 
 BENCH_DIR = Path("docs") / "bench"
 PAGE = Path("docs") / "performance.md"
@@ -89,8 +89,8 @@ def machine_section(runs: Sequence[dict[str, Any]]) -> str:
 
 
 def _run_order(meta: dict[str, Any]) -> int:
-    """The standard runs first, then the --workload ones, then the prefix cache's."""
-    return 2 if "prefix_tiers" in meta else 1 if "workload" in meta else 0
+    """The standard runs first, then the --workload ones, the --lora ones, then the prefix cache's."""
+    return 3 if "prefix_tiers" in meta else 2 if "lora" in meta else 1 if "workload" in meta else 0
 
 
 def machine_line(runs: Sequence[dict[str, Any]]) -> str:
@@ -110,9 +110,13 @@ def run_section(results: dict[str, Any]) -> str:
     heading = meta["model"] or "the server at --url"
     if "workload" in meta:
         heading += f", {meta['workload']['name']} workload"
+    if "lora" in meta:
+        heading += f", {meta['lora']['adapters']} LoRA adapters"
     lines = [f"### {heading}", "", *table(results["figures"], meta), ""]
     if "workload" in meta:
         lines += [*(f"- {line}" for line in workload_lines(meta["workload"]).splitlines()), ""]
+    if "lora" in meta:
+        lines += [f"- {lora_lines(meta['lora'])}", ""]
     lines += [f"`{meta['command']}`", "", provenance(meta)]
     if results.get("notes"):
         lines += ["", "Notes:", "", *(f"- {note}" for note in results["notes"])]

@@ -136,5 +136,13 @@ def workload_lines(workload: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def lora_lines(lora: dict[str, Any]) -> str:
+    """A --lora run's setting: how many adapters, of which rank, over what."""
+    return (
+        f"{lora['adapters']} random LoRA adapters of rank {lora['rank']}, over {lora['targets']}; request i takes "
+        f"adapter i modulo {lora['adapters']} (the single stream: the first)"
+    )
+
+
 def progress(message: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)

@@ -22,7 +22,17 @@ from typing import Any
 
 import aiohttp
 
-from tokenmill.bench import bandwidth, hf_baseline, load, real_models, report, synthetic, workload_run, workloads
+from tokenmill.bench import (
+    bandwidth,
+    hf_baseline,
+    load,
+    lora_run,
+    real_models,
+    report,
+    synthetic,
+    workload_run,
+    workloads,
+)
 from tokenmill.bench.flags import ALL_PEERS
 from tokenmill.bench.ik_llama import ik_llama_binary, ik_llama_server_spec
 from tokenmill.bench.llama_server import (
@@ -71,8 +81,12 @@ def run_bench(args: argparse.Namespace) -> int:
         if args.synthetic:
             args.model = str(_synthetic_file(args))
         args.model = real_models.resolve_model(args.model, args.llama_server_dir.parent / "models")
+        if args.workload and args.lora:
+            raise ValueError("--workload and --lora are two runs: ask for one")
         if args.workload:
             results = bench_workload(args)
+        elif args.lora:
+            results = bench_lora(args)
         else:
             results = bench_external(args) if args.url else bench_managed(args)
     except (NotLoopbackError, ServerStartError, aiohttp.ClientError, ValueError) as exc:
@@ -89,6 +103,8 @@ def run_bench(args: argparse.Namespace) -> int:
         print("note:", note)
     if "workload" in meta:
         print(report.workload_lines(meta["workload"]))
+    if "lora" in meta:
+        print(report.lora_lines(meta["lora"]))
     if args.json:
         path = results_path(args.json, results["meta"])
         report.write_json(path, results)
@@ -102,7 +118,7 @@ def results_path(json_arg: Path, meta: dict[str, Any]) -> Path:
     if not json_arg.is_dir():
         return json_arg
     model = Path(meta["model"]).stem if meta["model"] else "server"
-    workload = f"--{meta['workload']['name']}" if "workload" in meta else ""
+    workload = f"--{meta['workload']['name']}" if "workload" in meta else "--lora" if "lora" in meta else ""
     return json_arg / f"{meta['machine']['kind']}--{slug(model)}{workload}.json"
 
 
@@ -160,6 +176,23 @@ def bench_workload(args: argparse.Namespace) -> dict[str, Any]:
         "agreement": run["agreement"],
         "speculation": run["speculation"],
     }
+    return results
+
+
+def bench_lora(args: argparse.Namespace) -> dict[str, Any]:
+    """A --lora run (lora_run.py): tokenmill serving N adapters and none, and llama-server likewise."""
+    if args.url:
+        raise ValueError("--lora starts its own servers: it excludes --url")
+    settings = lora_run.lora_settings(args, load_settings(args))
+    model_file = args.model or _packaged_gguf()
+    args.model = model_file
+    run = lora_run.run_lora(args, model_file, settings, args.rounds or 2, args.start_timeout)
+    peers = {}
+    if args.compare:
+        binary = str(ensure_llama_server(args.llama_server_dir, args.llama_server_version))
+        peers["llama-server"] = _peer_build(args, ServerSpec("llama-server", (binary,), 0, "/health"))
+    results = _results(args, run["settings"], run["systems"], model_file, model_file, peers)
+    results["meta"]["lora"] = {"adapters": args.lora, "rank": args.lora_rank, "targets": "every linear of every layer"}
     return results
 
 

@@ -93,6 +93,10 @@ SIGNATURES: dict[str, tuple[CType | None, list[CType]]] = {
     "gguf_quantize_rows": (_INT, [_PTR, _I64, _I64, _I64, _PTR, _INT]),
     "gguf_matmul": (_INT, [_PTR, _I64, _I64, _I64, _INT, _PTR, _I64, _PTR, _I64, _INT, _INT]),
     "gguf_matmul_gated": (_INT, [_PTR, _I64, _I64, _I64, _INT, _PTR, _I64, _PTR, _I64, _INT, _INT]),
+    "gguf_matmul_gated_added": (
+        _INT,
+        [_PTR, _I64, _I64, _I64, _INT, _PTR, _I64, _PTR, _I64, _INT, _PTR, _PTR, _INT],
+    ),
     "gguf_matmul_logits": (_INT, [_PTR, _I64, _I64, _I64, _INT, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _INT]),
     "gguf_greedy_row": (_INT, [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _INT]),
     "gguf_packed_bytes": (_I64, [_INT, _I64, _I64]),
@@ -122,6 +126,7 @@ SIGNATURES: dict[str, tuple[CType | None, list[CType]]] = {
     "lora_add": (None, [_PTR, _I64, _I64, _PTR, _I64, _PTR, _I64, _INT]),
     "lora_update_rows": (None, [_PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _INT]),
     "lora_has": (_INT, [_PTR, _I64, _I64]),
+    "lora_deltas": (None, [_PTR, _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _INT]),
 }
 _warned: set[str] = set()
 

@@ -37,8 +37,10 @@ static int project(const gguf_linear *linear, const uint16_t *x, int64_t t, uint
 /* act (t, ffn) bf16 = the gated MLP's activations of x (t, gate_up.k): gelu_tanh (gelu != 0) or silu of the gate's
  * products times the up's. Where gate_up is one part (both halves of one type) the product and the activation are one
  * pass (gguf_matmul_gated); otherwise the products go to `products` (t, 2 ffn) and the activation is a pass of its
- * own. The same bits either way. With adapters' updates of gate_up (`lora`) always the latter, the updates added to
- * the products. */
+ * own. The same bits either way. Adapters' updates of gate_up (`lora`) are added to the products before the
+ * activation: in the one pass where a step has few rows (their sums made first, LORA_FUSED_ROWS), else in the
+ * products before the activation's pass; the same bits either way too. */
+#define LORA_FUSED_ROWS 64
 static int gated_mlp(const gguf_linear *gate_up, const uint16_t *x, int64_t t, int64_t ffn, uint16_t *products,
                      uint16_t *act, int gelu, const lora_step *lora, int64_t layer, int threads) {
     const gguf_part *p = &gate_up->part[0];
@@ -47,6 +49,20 @@ static int gated_mlp(const gguf_linear *gate_up, const uint16_t *x, int64_t t, i
     if (gate_up->parts == 1 && p->at == 0 && p->n == 2 * ffn && !adapted) {
         status = gguf_matmul_gated(x, gate_up->k, t, gate_up->k, (int)p->type, p->packed, ffn, act, ffn, gelu, threads);
         if (status != -1) return status; /* -1: an ffn that is not a multiple of 16, or no activation kernels */
+    }
+    if (gate_up->parts == 1 && p->at == 0 && p->n == 2 * ffn && adapted && t <= LORA_FUSED_ROWS) {
+        /* the updates' sums first, then added in the same pass as the products and the activation */
+        float *delta = malloc((size_t)(t * 2 * ffn) * sizeof(float));
+        uint8_t *added = calloc((size_t)t, 1);
+        status = -2;
+        if (delta != NULL && added != NULL) {
+            lora_deltas(lora, layer, 2, x, gate_up->k, delta, 2 * ffn, added, threads);
+            status = gguf_matmul_gated_added(x, gate_up->k, t, gate_up->k, (int)p->type, p->packed, ffn, act, ffn,
+                                             gelu, delta, added, threads);
+        }
+        free(delta);
+        free(added);
+        if (status != -1) return status;
     }
     status = project(gate_up, x, t, products, threads);
     if (status) return status;

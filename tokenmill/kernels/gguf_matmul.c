@@ -198,6 +198,8 @@ typedef struct {
     void *out;
     int64_t ldo;
     int float_out, gated, threads;
+    const float *addend;            /* gated: added to the marked rows' bf16 products before the activation, or NULL */
+    const uint8_t *added;           /* which rows (m flags) */
     int64_t nb, units, group_bytes; /* blocks per row, units of work, bytes of one group's weights */
     int amx;                        /* whole tiles of 16 rows go to AMX */
     xblock *x;                      /* the rows quantised, block-major */
@@ -238,6 +240,21 @@ static int job_alloc(matmul_job *job, int argmax) {
     return 0;
 }
 
+/* a marked row's gate and up products of unit u += their addend, each rounded to bf16 (what lora.c's lora_add does
+ * to the products gguf_matmul writes: the same bits as the unfused path) */
+static void add_to_pair(const matmul_job *job, int64_t u, uint16_t *pair) {
+    const int64_t m = job->m, f = job->n / 2;
+    for (int64_t r = 0; r < m; r++) {
+        if (!job->added[r]) continue;
+        const float *gate = job->addend + r * 2 * f + u * GROUP, *up = gate + f;
+        uint16_t *g = pair + r * GROUP, *v = pair + (m + r) * GROUP;
+        for (int c = 0; c < GROUP; c++) {
+            g[c] = float_to_bf16(bf16_to_float(g[c]) + gate[c]);
+            v[c] = float_to_bf16(bf16_to_float(v[c]) + up[c]);
+        }
+    }
+}
+
 static void unit_product(const matmul_job *job, int64_t u, uint16_t *pair, uint8_t *decoded) {
     int type = job->type, amx = job->amx;
     int64_t nb = job->nb, m = job->m, group_bytes = job->group_bytes;
@@ -250,6 +267,7 @@ static void unit_product(const matmul_job *job, int64_t u, uint16_t *pair, uint8
     group_product(type, job->w + u * group_bytes, job->x, nb, m, GROUP, 0, pair, GROUP, 0, decoded, amx);
     group_product(type, job->w + (half + u) * group_bytes, job->x, nb, m, GROUP, 0, pair + m * GROUP, GROUP, 0,
                   decoded, amx);
+    if (job->addend != NULL) add_to_pair(job, u, pair);
     gated_block(pair, pair + m * GROUP, m, (uint16_t *)job->out + u * GROUP, job->ldo, job->gated == GATED_GELU);
 }
 
@@ -284,12 +302,14 @@ static void job_thread(const matmul_job *job, int64_t thread) {
  * (groups, or pairs of groups) shared out among the threads. With `argmax` (plain products only), each row's argmax
  * and finiteness as gguf_matmul_logits says. */
 static int matmul(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, int type, const uint8_t *w, int64_t n,
-                  void *out, int64_t ldo, int float_out, int gated, int64_t *argmax, int32_t *finite, int threads) {
+                  void *out, int64_t ldo, int float_out, int gated, int64_t *argmax, int32_t *finite,
+                  const float *addend, const uint8_t *added, int threads) {
     if (type == HIGH6 || gguf_packed_bytes(type, n, k) < 0) return -1;
     if (threads < 1) threads = 1;
     read_row_prefetch();
     matmul_job job = {.x_in = x_in, .x_stride = x_stride, .m = m, .k = k, .type = type, .w = w, .n = n, .out = out,
-                      .ldo = ldo, .float_out = float_out, .gated = gated, .threads = threads, .nb = k / 32};
+                      .ldo = ldo, .float_out = float_out, .gated = gated, .threads = threads, .nb = k / 32,
+                      .addend = addend, .added = added};
     job.units = gated ? n / 2 / GROUP : (n + GROUP - 1) / GROUP;
     job.group_bytes = job.nb / (is_k(type) ? 8 : 1) * packed_unit_bytes(type);
     int status = job_alloc(&job, argmax != NULL);
@@ -308,7 +328,7 @@ static int matmul(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, 
  * 0, -1 for a type or width it does not take, -2 without memory. */
 int gguf_matmul(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, int type, const uint8_t *w, int64_t n,
                 void *out, int64_t ldo, int float_out, int threads) {
-    return matmul(x_in, x_stride, m, k, type, w, n, out, ldo, float_out, PLAIN, NULL, NULL, threads);
+    return matmul(x_in, x_stride, m, k, type, w, n, out, ldo, float_out, PLAIN, NULL, NULL, NULL, NULL, threads);
 }
 
 /* gguf_matmul into float32 logits, and from the same pass each row's argmax (the first column of its largest value,
@@ -317,7 +337,7 @@ int gguf_matmul(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, in
  * meaningful argmax. Returns as gguf_matmul does. */
 int gguf_matmul_logits(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, int type, const uint8_t *w,
                        int64_t n, float *out, int64_t ldo, int64_t *argmax, int32_t *finite, int threads) {
-    return matmul(x_in, x_stride, m, k, type, w, n, out, ldo, 1, PLAIN, argmax, finite, threads);
+    return matmul(x_in, x_stride, m, k, type, w, n, out, ldo, 1, PLAIN, argmax, finite, NULL, NULL, threads);
 }
 
 /* A gated MLP's first projection and its activation in one pass: w holds the gate's f columns and then the up's (one
@@ -328,9 +348,18 @@ int gguf_matmul_logits(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_
  * or where the activation kernels are not compiled in. */
 int gguf_matmul_gated(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, int type, const uint8_t *w,
                       int64_t f, uint16_t *out, int64_t ldo, int gelu, int threads) {
+    return gguf_matmul_gated_added(x_in, x_stride, m, k, type, w, f, out, ldo, gelu, NULL, NULL, threads);
+}
+
+/* gguf_matmul_gated with `addend` (M, 2f) float32 added to the gate and up products of the rows `added` marks, each
+ * rounded to bf16, before the activation: an adapter's low-rank update of gate_up (lora.c's lora_deltas), the same
+ * bits as gguf_matmul, lora_add and the activation's pass */
+int gguf_matmul_gated_added(const uint16_t *x_in, int64_t x_stride, int64_t m, int64_t k, int type, const uint8_t *w,
+                            int64_t f, uint16_t *out, int64_t ldo, int gelu, const float *addend, const uint8_t *added,
+                            int threads) {
     if (f <= 0 || f % GROUP || !gelu_mul_available()) return -1;
     return matmul(x_in, x_stride, m, k, type, w, 2 * f, out, ldo, 0, gelu ? GATED_GELU : GATED_SILU, NULL, NULL,
-                  threads);
+                  addend, added, threads);
 }
 #else /* neither AVX-512 VNNI nor AVX2 (with F16C), or no OpenMP: linear.py keeps the torch path */
 int gguf_matmul_available(void) { return 0; }
@@ -338,6 +367,13 @@ int gguf_matmul(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, int t
                 void *out, int64_t ldo, int float_out, int threads) {
     (void)x, (void)x_stride, (void)m, (void)k, (void)type, (void)w, (void)n, (void)out, (void)ldo, (void)float_out;
     (void)threads;
+    return -1;
+}
+int gguf_matmul_gated_added(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, int type, const uint8_t *w,
+                            int64_t f, uint16_t *out, int64_t ldo, int gelu, const float *addend, const uint8_t *added,
+                            int threads) {
+    (void)x, (void)x_stride, (void)m, (void)k, (void)type, (void)w, (void)f, (void)out, (void)ldo, (void)gelu;
+    (void)addend, (void)added, (void)threads;
     return -1;
 }
 int gguf_matmul_gated(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, int type, const uint8_t *w,

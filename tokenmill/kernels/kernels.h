@@ -55,6 +55,9 @@ int gguf_matmul(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, int t
                 void *out, int64_t ldo, int float_out, int threads);
 int gguf_matmul_gated(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, int type, const uint8_t *w,
                       int64_t f, uint16_t *out, int64_t ldo, int gelu, int threads);
+int gguf_matmul_gated_added(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, int type, const uint8_t *w,
+                            int64_t f, uint16_t *out, int64_t ldo, int gelu, const float *addend, const uint8_t *added,
+                            int threads);
 int gguf_matmul_logits(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, int type, const uint8_t *w,
                        int64_t n, float *out, int64_t ldo, int64_t *argmax, int32_t *finite, int threads);
 /* A single greedy row's LM head from its HIGH6 copy, exactly: the argmax and the exact values of the groups that can
@@ -155,6 +158,10 @@ void lora_add(const lora_step *l, int64_t layer, int64_t projection, const uint1
 /* one update on `count` rows (their indices in `rows`): lora_add's work for one group */
 void lora_update_rows(const lora_update *u, const int64_t *rows, int64_t count, const uint16_t *x, int64_t x_stride,
                       uint16_t *out, int64_t out_stride, int threads);
+/* lora_add's sums into float32 `delta` (rows, delta_stride) instead, for the rows that have an update (`added`: 1 for
+ * those, 0 for the rest, which are left untouched), for gguf_matmul_gated_added to add before the activation */
+void lora_deltas(const lora_step *l, int64_t layer, int64_t projection, const uint16_t *x, int64_t x_stride,
+                 float *delta, int64_t delta_stride, uint8_t *added, int threads);
 int lora_has(const lora_step *l, int64_t layer, int64_t projection);
 
 typedef struct {
