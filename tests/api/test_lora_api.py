@@ -107,3 +107,18 @@ def test_the_runtime_routes_are_off_unless_asked_for(adapters: Path) -> None:
         load = {"lora_name": "terse", "lora_path": str(adapters / "terse")}
         assert client.post("/v1/load_lora_adapter", json=load).status_code == 404
         assert complete(client, "tuned")["model"] == "tuned"
+
+
+def test_llama_servers_lora_list_picks_an_adapter_too(client: TestClient) -> None:
+    def run(lora: list[dict[str, Any]], model: str = BASE, status: int = 200) -> dict[str, Any]:
+        body = {"model": model, "prompt": "the capital of France is", "max_tokens": 5, "temperature": 0, "lora": lora}
+        response = client.post("/v1/completions", json={**body, "logprobs": 2})
+        assert response.status_code == status, response.text
+        return response.json()
+
+    tuned, base = complete(client, "tuned"), complete(client, BASE)
+    assert run([{"id": 0, "scale": 1}])["choices"] == tuned["choices"]
+    assert run([{"id": 0, "scale": 1}], model="tuned")["choices"] == tuned["choices"]
+    assert run([{"id": 0, "scale": 0}])["choices"] == base["choices"]
+    for lora in ([{"id": 0, "scale": 0.5}], [{"id": 3, "scale": 1}]):
+        assert run(lora, status=400)["error"]["param"] == "lora"

@@ -33,6 +33,7 @@ EXTENSIONS = (  # vLLM's names, after the reference's fields
     "length_penalty",
     "truncation_side",
     "cache_salt",
+    "lora",
 )
 
 

@@ -131,6 +131,7 @@ def test_mixed_steps_equal_peft_merged_and_leave_the_base_alone(case: Case) -> N
     assert together[0][1] != together[1][1] and together[2][1] != together[1][1]  # the adapters changed something
     (alone,) = run_together(core_for(case, {}), [None])
     assert together[1] == alone  # bit for bit: the adapters beside it changed nothing
+    assert run_together(core, ["gguf"]) == [together[2]]  # an adapter's rows too, alone or beside others
 
 
 def test_bf16_gguf_base_rows_keep_their_c_path_beside_adapters(tmp_path: Path) -> None:

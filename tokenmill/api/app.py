@@ -150,6 +150,29 @@ def _target(request: Request, model: str | None) -> tuple[Engine, AdapterInfo | 
     raise errors.model_not_found(model)
 
 
+def _chosen_by_list(
+    engine: Engine, named: AdapterInfo | None, choices: list[protocol.LoraChoice]
+) -> AdapterInfo | None:
+    """llama-server's `lora` list: the one adapter it runs at scale 1 (None: every entry at scale 0); what the engine
+    cannot run as asked (a mix of adapters, another scale, an id it does not serve) is a 400 naming the field."""
+    served = engine.adapters()
+    for choice in choices:
+        if choice.id >= len(served):
+            raise errors.invalid_request(f"no LoRA adapter has id {choice.id}: {len(served)} are served", "lora")
+    running = [choice for choice in choices if choice.scale != 0]
+    if len(running) > 1 or any(choice.scale != 1 for choice in running):
+        raise errors.invalid_request(
+            "'lora' may run one adapter, at scale 1 (the others at 0): mixed or scaled adapters are not served",
+            "lora",
+        )
+    chosen = served[running[0].id] if running else None
+    if named is not None and chosen is not None and chosen.name != named.name:
+        raise errors.invalid_request(
+            f"'model' names the adapter {named.name!r} and 'lora' chooses {chosen.name!r}: choose one", "lora"
+        )
+    return chosen or named
+
+
 def _admission(request: Request) -> Admission:
     admission: Admission = request.app.state.admission
     return admission
@@ -186,6 +209,8 @@ async def _complete(request: Request, quota: Quota, arrived: float) -> Response:
     body = parse_request(CompletionRequest, await request.body())
     quota.user = body.user
     engine, adapter = _target(request, body.model)
+    if body.lora is not None:
+        adapter = _chosen_by_list(engine, adapter, body.lora)
     admission.check_open(engine.is_healthy())
     quota.check()  # out of requests: refused before its prompts are tokenised
     state = request.app.state

@@ -51,6 +51,16 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
+MAX_LORA_CHOICES = 64
+
+
+class LoraChoice(_Strict):
+    """One entry of llama-server's per-request `lora` list."""
+
+    id: Annotated[int, Field(ge=0)]
+    scale: Annotated[float, Field(ge=-100.0, le=100.0)]
+
+
 class StreamOptions(_Strict):
     include_usage: bool | None = None
     include_obfuscation: bool | None = None
@@ -198,6 +208,11 @@ class CompletionRequest(_Strict):
     )
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)] | None = _ext(
         "cached prompt blocks are shared only among requests that send the same salt"
+    )
+    lora: Annotated[list[LoraChoice], Field(max_length=MAX_LORA_CHOICES)] | None = _ext(
+        "llama-server's choice of LoRA adapters: {id, scale} per adapter, id its place among the adapters served (as"
+        " /v1/models lists them); one adapter at scale 1 runs, the others at scale 0 do not (a mix or another scale"
+        " is refused)"
     )
 
     @field_validator("prompt", mode="before")

@@ -53,6 +53,11 @@ workload's prompts, tokenmill with it and without, and llama-server with its loo
 under the table), each taking every prompt once as a single stream, then the concurrent clients. Its ratio columns
 divide the speculating tokenmill's figures by each other system's.
 
+A table headed by LoRA adapters is one `tokenmill bench --lora` run: tokenmill serving N random adapters and serving
+none, and llama-server likewise (the same adapters as GGUF LoRA files); the single stream takes the first adapter, and
+concurrent request i adapter i modulo N. Its ratio columns divide tokenmill-with-adapters' figures by each other
+system's: the first is what the adapters cost, the second tokenmill against llama-server both serving them.
+
 A table headed by prefix cache tiers is one `scripts/prefix_tiers.py` run: tokenmill alone, a long prefix's time to
 first token cold and from each tier of its prefix cache (the disk tier's after a restart), and the prefix hit rate of
 a working set four times larger than the live KV cache, with the tiers and without.

@@ -38,18 +38,18 @@ Rows = slice | torch.Tensor  # a step's rows of one adapter: a run of them, or t
 @dataclass(frozen=True)
 class PackedUpdate:
     """One adapter's update of one linear: its parts' A stacked (R, in), and each part's (columns, rows of the
-    stacked shrink's output, scale · Bᵀ (rank, columns)); in the activations' dtype. `c`: the same as lora.c takes it
-    (bf16 only), pointing into these tensors."""
+    stacked shrink's output, scale · Bᵀ); in the activations' dtype. In bf16 each Bᵀ is kept only as lora.c reads it,
+    in blocks of 16 columns ((ceil(n / 16), rank, 16)), and `c` points into these tensors; else as (rank, n)."""
 
     a: torch.Tensor
     parts: tuple[tuple[slice, slice, torch.Tensor], ...]
     c: ops.LoraUpdate | None
-    c_blocks: tuple[torch.Tensor, ...] = ()  # each part's Bᵀ in lora.c's blocks of 16 columns, which `c` points into
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor, rows: Rows) -> None:
         """y[rows] += the update of x[rows], as lora.c computes it: float32 sums, rounded to y's dtype once."""
         shrunk = _product(x[rows].float(), self.a.float())  # (rows, R)
-        for columns, ranks, bt in self.parts:
+        for columns, ranks, b in self.parts:
+            bt = _unblocked(b, columns.stop - columns.start) if self.c is not None else b
             y[rows, columns] = (y[rows, columns].float() + _product(shrunk[:, ranks], bt.float().t())).to(y.dtype)
 
 
@@ -239,12 +239,18 @@ def _pack(wrapper: LoraLinear, updates: list[tuple[int | None, LowRank]], dtype:
     a = torch.cat(a_blocks).to(dtype).contiguous()
     if dtype != torch.bfloat16 or len(parts) > ops.LORA_MAX_PARTS:
         return PackedUpdate(a, tuple(parts), None)
+    blocked = tuple((columns, ranks, _column_blocks(bt)) for columns, ranks, bt in parts)
     c = ops.LoraUpdate(a.data_ptr(), a.shape[1], a.shape[0], len(parts))
-    blocks = tuple(_column_blocks(bt) for _, _, bt in parts)
-    for i, ((columns, ranks, bt), blocked) in enumerate(zip(parts, blocks)):
-        n = columns.stop - columns.start
-        c.part[i] = ops.LoraPart(blocked.data_ptr(), columns.start, n, ranks.start, bt.shape[0])
-    return PackedUpdate(a, tuple(parts), c, blocks)
+    for i, (columns, ranks, blocks) in enumerate(blocked):
+        c.part[i] = ops.LoraPart(
+            blocks.data_ptr(), columns.start, columns.stop - columns.start, ranks.start, blocks.shape[1]
+        )
+    return PackedUpdate(a, blocked, c)
+
+
+def _unblocked(blocks: torch.Tensor, n: int) -> torch.Tensor:
+    """_column_blocks undone: (rank, n)."""
+    return blocks.transpose(0, 1).reshape(blocks.shape[1], -1)[:, :n]
 
 
 def _column_blocks(bt: torch.Tensor) -> torch.Tensor:
