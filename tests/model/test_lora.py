@@ -9,8 +9,9 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from tests.model.families import BY_NAME, FAMILIES, SIZES, write_hf_model
+from tests.model.families import BY_NAME, FAMILIES, SIZES, write_gguf, write_hf_model
 from tests.model.lora_adapters import make_adapter, write_gguf_lora
 from tests.tiny_model import write_tiny_gguf, write_tiny_model
 from tokenmill.config import Config
@@ -61,7 +62,7 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 def core_for(
     case: Case, adapters: dict[str, Path], dtype: str = "float32", model: Path | None = None, **settings: Any
 ) -> EngineCore:
-    quantization = "none" if dtype == "float32" else None
+    quantization = settings.pop("quantization", "none" if dtype == "float32" else None)
     lora = tuple(f"{name}={path}" for name, path in adapters.items())
     config = Config(
         model=str(model or case.directory),
@@ -192,3 +193,18 @@ def test_kv_made_under_an_adapter_is_never_another_requests(case: Case) -> None:
             if not core.has_work:
                 break
     assert cached[:3] == [0, 0, 0] and cached[3] > 0
+
+
+def test_a_gguf_file_in_int8_serves_adapters_and_caches_its_weights_without_them(tmp_path: Path) -> None:
+    """A GGUF file served in int8 is quantised at its first start and the prepared weights cached: with adapters the
+    linears are wrapped, yet the cache holds the model's own names, so the next start reads it."""
+    base = write_hf_model(tmp_path / "hf", BY_NAME["llama"])
+    make_adapter(base, "llama", tmp_path / "peft", seed=1, merge=False)
+    path = write_gguf(tmp_path / "llama.gguf", BY_NAME["llama"], base)
+    case = Case("llama", "llama", tmp_path / "hf", base, {}, {}, tmp_path)
+    adapters = {"tuned": tmp_path / "peft"}
+    first = run_together(core_for(case, adapters, "bfloat16", path, quantization="int8"), ["tuned", None])
+    (cached,) = (tmp_path / "cache").rglob("prepared-v*.safetensors")
+    assert not [key for key in load_file(str(cached)) if ".base." in key]
+    again = run_together(core_for(case, adapters, "bfloat16", path, quantization="int8"), ["tuned", None])
+    assert again == first and first[0] != first[1]

@@ -7,7 +7,8 @@ one per part, its scale folded into B), added to the part's columns. A row witho
 and nothing else, whatever its neighbours use.
 
 Adapters sit in numbered slots (AdapterSlots.install); the engine says which rows use which slot before each step
-(`rows`). A step with adapter rows runs the modules, not the C layer (model/c_layer.py), which knows nothing of them.
+(`rows`). Where the step's layers run as one C call (model/c_layer.py), kernels/lora.c adds the same updates there
+(AdapterSlots.c_step: the step's groups as it takes them); elsewhere the wrapped modules add them here.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from torch import nn
 from tokenmill.kernels import ops
 from tokenmill.model.linear import chunked_linear
 from tokenmill.model.loading.lora_files import AdapterError, AdapterFile, LowRank, layer_and_name, read_adapter
+from tokenmill.model.model_config import ModelConfig
 
 __all__ = ["AdapterError", "AdapterSlots", "LoraLinear", "StepRows", "base_state_dict", "read_adapter", "unwrap"]
-from tokenmill.model.model_config import ModelConfig
 
 # a decoder layer's linears as its modules hold them (attention's and MLP's), and the checkpoint's projections that a
 # stacked one holds in order (CausalLM.STACKED_PROJECTIONS); an adapter may name either
