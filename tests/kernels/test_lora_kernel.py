@@ -21,7 +21,7 @@ def test_the_c_update_equals_the_torch_path(widths: list[int], k: int, ranks: li
     y = torch.randn(9, wrapper.out_features, generator=torch.Generator().manual_seed(2)).to(BF16)
     rows = [0, 2, 3, 7]
     expected, got = y.clone(), y.clone()
-    update.add_to(expected, x, torch.tensor(rows))
+    update.add_in_torch(expected, x, torch.tensor(rows))
     ops.lora_update_rows(update.c, rows, x, got)
     others = [r for r in range(9) if r not in rows]
     assert torch.equal(got[others], y[others])  # rows outside the group untouched

@@ -208,3 +208,23 @@ def test_a_gguf_file_in_int8_serves_adapters_and_caches_its_weights_without_them
     assert not [key for key in load_file(str(cached)) if ".base." in key]
     again = run_together(core_for(case, adapters, "bfloat16", path, quantization="int8"), ["tuned", None])
     assert again == first and first[0] != first[1]
+
+
+def test_adapted_steps_give_the_same_bits_in_the_modules_as_in_the_c_layers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import transformers
+
+    from tokenmill.model.c_layer import CLayer, LayerStack
+
+    write_tiny_model(tmp_path / "hf")
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").float()
+    make_adapter(base, "gemma3", tmp_path / "peft", seed=1, merge=False)
+    gguf_model = write_tiny_gguf(tmp_path / "tiny.gguf", quantize=True)
+    case = Case("gemma3", "gemma3", tmp_path / "hf", base, {}, {}, tmp_path)
+    in_c = run_together(core_for(case, {"tuned": tmp_path / "peft"}, "bfloat16", gguf_model), ["tuned", None])
+    monkeypatch.setattr(CLayer, "c_layer", False)
+    monkeypatch.setattr(LayerStack, "enabled", False)
+    modules = core_for(case, {"tuned": tmp_path / "peft"}, "bfloat16", gguf_model)
+    assert not modules.runner.model.layers_in_c(torch.bfloat16)
+    assert run_together(modules, ["tuned", None]) == in_c

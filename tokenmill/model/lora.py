@@ -46,12 +46,29 @@ class PackedUpdate:
     parts: tuple[tuple[slice, slice, torch.Tensor], ...]
     c: ops.LoraUpdate | None
 
-    def add_to(self, y: torch.Tensor, x: torch.Tensor, rows: Rows) -> None:
-        """y[rows] += the update of x[rows], as lora.c computes it: float32 sums, rounded to y's dtype once."""
+    def add_to(self, y: torch.Tensor, x: torch.Tensor, rows: Rows, indices: list[int]) -> None:
+        """y[rows] += the update of x[rows] (`indices`: the same rows), as lora.c computes it: float32 sums, rounded to
+        y's dtype once. In bf16 lora.c itself does it, so that the modules give the one-call layers' bits."""
+        if self.c is not None and _c_takes(x, y):
+            ops.lora_update_rows(self.c, indices, x, y)
+        else:
+            self.add_in_torch(y, x, rows)
+
+    def add_in_torch(self, y: torch.Tensor, x: torch.Tensor, rows: Rows) -> None:
+        """add_to in torch: the same float32 sums, in another order."""
         shrunk = _product(x[rows].float(), self.a.float())  # (rows, R)
         for columns, ranks, b in self.parts:
             bt = _unblocked(b, columns.stop - columns.start) if self.c is not None else b
             y[rows, columns] = (y[rows, columns].float() + _product(shrunk[:, ranks], bt.float().t())).to(y.dtype)
+
+
+def _c_takes(x: torch.Tensor, y: torch.Tensor) -> bool:
+    return (
+        x.dtype == y.dtype == torch.bfloat16
+        and x.dim() == y.dim() == 2
+        and x.stride(1) == y.stride(1) == 1
+        and ops.library() is not None
+    )
 
 
 def _product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -63,8 +80,7 @@ class StepRows:
     """Which of this step's rows use which adapter slot: (slot, rows) per slot in use, rows without one left out."""
 
     def __init__(self) -> None:
-        self.groups: list[tuple[int, Rows]] = []
-        self.indices: list[tuple[int, list[int]]] = []  # the same groups, each as its rows' indices
+        self.groups: list[tuple[int, Rows, list[int]]] = []  # (slot, its rows, the same rows' indices)
 
     def set(self, runs: Iterable[tuple[int | None, int]]) -> None:
         """`runs`: each scheduled sequence's (slot or None, its number of rows), in the step's order."""
@@ -74,11 +90,12 @@ class StepRows:
             if slot is not None and count:
                 spans.setdefault(slot, []).append((at, at + count))
             at += count
-        self.groups = [(slot, _rows(found)) for slot, found in spans.items()]
-        self.indices = [(slot, [r for lo, hi in found for r in range(lo, hi)]) for slot, found in spans.items()]
+        self.groups = [
+            (slot, _rows(found), [r for lo, hi in found for r in range(lo, hi)]) for slot, found in spans.items()
+        ]
 
     def clear(self) -> None:
-        self.groups, self.indices = [], []
+        self.groups = []
 
 
 def _rows(spans: list[tuple[int, int]]) -> Rows:
@@ -107,10 +124,10 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         y = self.base(x, *args, **kwargs)
-        for slot, rows in self._step.groups:
+        for slot, rows, indices in self._step.groups:
             update = self.updates.get(slot)
             if update is not None:
-                update.add_to(y, x, rows)
+                update.add_to(y, x, rows, indices)
         return y
 
 
@@ -206,17 +223,18 @@ class AdapterSlots:
     def c_step(self) -> ops.LoraStep | None:
         """This step's groups as lora.c takes them (the arrays it points into kept on it); None where an adapter in
         it has no C form (not bf16) or no row has one."""
-        if not self.rows.indices or any(slot not in self._tables for slot, _ in self.rows.indices):
+        groups = self.rows.groups
+        if not groups or any(slot not in self._tables for slot, _, _ in groups):
             return None
         ends, rows, total = [], [], 0
-        for _, indices in self.rows.indices:
+        for _, _, indices in groups:
             rows += indices
             total += len(indices)
             ends.append(total)
         arrays = (
             (ctypes.c_int64 * len(ends))(*ends),
             (ctypes.c_int64 * len(rows))(*rows),
-            (ctypes.c_void_p * len(ends))(*(ctypes.addressof(self._tables[slot]) for slot, _ in self.rows.indices)),
+            (ctypes.c_void_p * len(ends))(*(ctypes.addressof(self._tables[slot]) for slot, _, _ in groups)),
         )
         step = ops.LoraStep(len(ends), len(self.projections), *(ctypes.addressof(a) for a in arrays))
         step.keep = arrays  # alive as long as the step
