@@ -122,3 +122,10 @@ def test_llama_servers_lora_list_picks_an_adapter_too(client: TestClient) -> Non
     assert run([{"id": 0, "scale": 0}])["choices"] == base["choices"]
     for lora in ([{"id": 0, "scale": 0.5}], [{"id": 3, "scale": 1}]):
         assert run(lora, status=400)["error"]["param"] == "lora"
+
+
+def test_metrics_count_each_adapters_tokens_under_its_name(client: TestClient) -> None:
+    complete(client, "tuned")
+    metrics = client.get("/metrics").text
+    assert 'tokenmill_completion_tokens_total{model="tuned"}' in metrics
+    assert f'tokenmill_completion_tokens_total{{model="{BASE}"}}' in metrics
