@@ -329,3 +329,8 @@ def test_the_cli_reports_a_bad_rate_limit_as_a_usage_error(capsys: pytest.Captur
         main(["serve", "--rate-limit-tokens", "1000/m"])
     assert exited.value.code == 2
     assert "rate_limit_tokens must be N/s, N/min or N/h" in capsys.readouterr().err
+
+
+def test_lora_takes_vllms_several_adapters_after_one_flag() -> None:
+    config = parse(["--lora-modules", "a=/x", "b=/y.gguf", "--lora", "c=/z"])
+    assert config.lora_modules == [("a", "/x"), ("b", "/y.gguf"), ("c", "/z")]

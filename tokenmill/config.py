@@ -141,8 +141,9 @@ class Config:
     lora: tuple[str, ...] = _opt(
         (),
         "a LoRA adapter served beside the model, NAME=PATH (a PEFT directory or a GGUF LoRA file); a request whose"
-        " model is NAME runs the model with it; repeatable (vLLM's --lora-modules)",
+        " model is NAME runs the model with it; repeatable, or several after one flag (vLLM's --lora-modules)",
         aliases=("--lora-modules",),
+        several_per_flag=True,
     )
     max_loras: int = _opt(8, "most LoRA adapters loaded at once (--lora and runtime loads together)")
     max_lora_rank: int = _opt(64, "largest LoRA rank an adapter may have")
@@ -487,6 +488,8 @@ def add_settings_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs.update(type=_PARSERS[kind], choices=f.metadata.get("choices"), action="append" if many else "store")
+            if many and f.metadata.get("several_per_flag"):  # vLLM's form too: --lora-modules a=x b=y
+                kwargs.update(action="extend", nargs="+")
         parser.add_argument(_flag(f.name), *f.metadata.get("aliases", ()), **kwargs)
 
 
