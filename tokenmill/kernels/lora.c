@@ -34,11 +34,14 @@ int lora_has(const lora_step *l, int64_t layer, int64_t projection) {
     return 0;
 }
 
-/* The adapters' weights come from memory once a step, a small piece per unit of work: each unit asks for the
- * cache lines of one a little ahead of it (a prefetch past the end of an array only warms a line, never faults) */
-#define PREFETCH_BLOCKS 8
-static inline void prefetch_ahead(const void *at, int64_t bytes) {
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)at + b, 0, 3);
+/* The adapters' weights come from memory once a step, one sequential stream per thread: each unit of work asks for
+ * the lines LORA_PREFETCH_AHEAD bytes past its own into L2 (prefetcht1, as gguf_packed.h's PREFETCH_AHEAD does for the
+ * base weights: into L1 the requests would hold the core's few fill buffers). A hint past the end of an array only
+ * warms a line; it never faults. */
+#define LORA_PREFETCH_AHEAD 8192
+static inline void prefetch_ahead(const void *used, int64_t bytes) {
+    const char *at = (const char *)used + LORA_PREFETCH_AHEAD;
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(at + b, 0, 2);
 }
 
 #define DOT_ROWS 4 /* rows a rank row of A is read for at once */
@@ -155,7 +158,7 @@ static void update_groups(const lora_update *const *updates, const int64_t *cons
             int64_t g = 0, j = item;
             while (j >= updates[g]->rank) j -= updates[g++]->rank;
             const lora_update *u = updates[g];
-            prefetch_ahead(u->a + (j + 1) * u->k, u->k * 2); /* the next rank row (or the next array's first bytes) */
+            prefetch_ahead(u->a + j * u->k, u->k * 2);
             for (int64_t r0 = 0; r0 < counts[g]; r0 += DOT_ROWS) {
                 const int n = counts[g] - r0 < DOT_ROWS ? (int)(counts[g] - r0) : DOT_ROWS;
                 const uint16_t *xs[DOT_ROWS];
@@ -180,7 +183,7 @@ static void update_groups(const lora_update *const *updates, const int64_t *cons
             const lora_part *part = &u->part[p];
             const int64_t c = b * 16, width = part->n - c < 16 ? part->n - c : 16;
             const uint16_t *block = part->bt + b * part->rank * 16;
-            prefetch_ahead(block + PREFETCH_BLOCKS * part->rank * 16, part->rank * 32);
+            prefetch_ahead(block, part->rank * 32);
             for (int64_t r0 = 0; r0 < counts[g]; r0 += EXPAND_ROWS) {
                 const int n = counts[g] - r0 < EXPAND_ROWS ? (int)(counts[g] - r0) : EXPAND_ROWS;
                 const float *hs[EXPAND_ROWS];
