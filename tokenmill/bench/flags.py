@@ -80,6 +80,29 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         "modulo N",
     )
     what.add_argument("--lora-rank", type=positive_int, default=16, help="with --lora: the adapters' rank")
+    what.add_argument(
+        "--multi-round-qa",
+        action="store_true",
+        help="instead of the standard run: vLLM production-stack's multi-round QA load (--users conversations at "
+        "once, --conversation-rounds each, --qps in all, a shared system prompt and a history of each user's own) "
+        "against --url, or a tokenmill server started for it",
+    )
+    mr = p.add_argument_group("with --multi-round-qa (lengths in words, about a token each)")
+    mr.add_argument("--users", type=positive_int, default=8, help="conversations at once (default: %(default)s)")
+    mr.add_argument(
+        "--conversation-rounds", type=positive_int, default=5, help="questions per user (default: %(default)s)"
+    )
+    mr.add_argument(
+        "--qps", type=float, default=1.0, help="requests a second, all users together (default: %(default)s)"
+    )
+    mr.add_argument(
+        "--system-prompt-words", type=int, default=1000, help="the shared system prompt (default: %(default)s)"
+    )
+    mr.add_argument("--history-words", type=int, default=2000, help="each user's own text (default: %(default)s)")
+    mr.add_argument("--answer-tokens", type=positive_int, default=100, help="tokens per answer (default: %(default)s)")
+    mr.add_argument(
+        "--duration", type=float, default=120.0, help="seconds after which no request starts (default: %(default)s)"
+    )
     load = p.add_argument_group("load")
     load.add_argument(
         "--concurrency",

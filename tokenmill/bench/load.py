@@ -69,9 +69,14 @@ def completion_body(model: str, prompt: str, max_tokens: int, eos_ids: tuple[int
 
 
 async def stream_completion(
-    client: aiohttp.ClientSession, base_url: str, body: dict[str, Any], timeout_s: float = 300.0
+    client: aiohttp.ClientSession,
+    base_url: str,
+    body: dict[str, Any],
+    timeout_s: float = 300.0,
+    keep_text: bool = False,
 ) -> RequestResult:
-    """One streamed request, bounded in total time (the client's own timeout only bounds each read)."""
+    """One streamed request, bounded in total time (the client's own timeout only bounds each read); `keep_text`:
+    the result carries the text too."""
     start = time.perf_counter()
     try:
         async with asyncio.timeout(timeout_s):
@@ -79,17 +84,19 @@ async def stream_completion(
                 if response.status != 200:
                     detail = (await response.read()).decode(errors="replace")[:300]
                     return _failed(start, f"HTTP {response.status}: {detail}")
-                return await _read_stream(response, start, body["max_tokens"])
+                return await _read_stream(response, start, body["max_tokens"], keep_text)
     except TimeoutError:
         return _failed(start, f"no complete answer within {timeout_s:g} s")
     except (aiohttp.ClientError, ValueError) as exc:  # ValueError: bad JSON, bad UTF-8, a line over the read buffer
         return _failed(start, f"{type(exc).__name__}: {exc}")
 
 
-async def _read_stream(response: aiohttp.ClientResponse, start: float, max_tokens: int) -> RequestResult:
+async def _read_stream(
+    response: aiohttp.ClientResponse, start: float, max_tokens: int, keep_text: bool = False
+) -> RequestResult:
     first = last = None
     chunks, finish, usage = 0, None, None
-    digest = hashlib.sha256()
+    digest, pieces = hashlib.sha256(), []
     async for line in response.content:  # split at b"\n": an SSE event's lines
         if not line.startswith(b"data:"):
             continue
@@ -104,6 +111,8 @@ async def _read_stream(response: aiohttp.ClientResponse, start: float, max_token
             finish = choice.get("finish_reason") or finish
             if choice.get("text"):
                 digest.update(choice["text"].encode())
+                if keep_text:
+                    pieces.append(choice["text"])
                 last = time.perf_counter() - start
                 first = last if first is None else first
                 chunks += 1
@@ -117,6 +126,9 @@ async def _read_stream(response: aiohttp.ClientResponse, start: float, max_token
         exact,
         _finish(finish, tokens, exact, max_tokens),
         text_digest=digest.hexdigest()[:16],
+        text="".join(pieces) if keep_text else None,
+        prompt_tokens=usage.get("prompt_tokens") if usage else None,
+        cached_tokens=((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens"),
     )
 
 

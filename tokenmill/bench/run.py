@@ -27,6 +27,7 @@ from tokenmill.bench import (
     hf_baseline,
     load,
     lora_run,
+    multi_round,
     real_models,
     report,
     synthetic,
@@ -81,8 +82,10 @@ def run_bench(args: argparse.Namespace) -> int:
         if args.synthetic:
             args.model = str(_synthetic_file(args))
         args.model = real_models.resolve_model(args.model, args.llama_server_dir.parent / "models")
-        if args.workload and args.lora:
-            raise ValueError("--workload and --lora are two runs: ask for one")
+        if sum(map(bool, (args.workload, args.lora, args.multi_round_qa))) > 1:
+            raise ValueError("--workload, --lora and --multi-round-qa are runs of their own: ask for one")
+        if args.multi_round_qa:
+            return bench_multi_round(args)
         if args.workload:
             results = bench_workload(args)
         elif args.lora:
@@ -177,6 +180,41 @@ def bench_workload(args: argparse.Namespace) -> dict[str, Any]:
         "speculation": run["speculation"],
     }
     return results
+
+
+def bench_multi_round(args: argparse.Namespace) -> int:
+    """A --multi-round-qa run (multi_round.py) against --url, or a tokenmill server started for it; prints the
+    figures (and writes them with --json FILE)."""
+    settings = multi_round.MultiRoundSettings(
+        users=args.users,
+        rounds=args.conversation_rounds,
+        qps=args.qps,
+        system_words=args.system_prompt_words,
+        history_words=args.history_words,
+        answer_tokens=args.answer_tokens,
+        duration_s=args.duration,
+        request_timeout_s=args.request_timeout,
+    )
+    if args.qps <= 0:
+        raise ValueError("--qps must be positive")
+    if args.url:
+        result = load.run(multi_round.run_multi_round(args.url, settings))
+    else:
+        with tempfile.TemporaryDirectory(prefix="tokenmill-bench-") as tmp:
+            extra = [*(["--dtype", args.dtype] if args.dtype else []), *shlex.split(args.tokenmill_args)]
+            spec = tokenmill_spec(free_port(), args.model, extra, args.cache_dir)  # its defaults, as users run it
+            progress(f"starting tokenmill: {shlex.join(spec.argv)}")
+            server = ManagedServer(spec, Path(tmp))
+            try:
+                server.start(args.start_timeout)
+                result = load.run(multi_round.run_multi_round(server.url, settings))
+            finally:
+                server.stop()
+    print(multi_round.report(result))
+    if args.json:
+        report.write_json(args.json, result)
+        print(f"figures written to {args.json}")
+    return 0
 
 
 def bench_lora(args: argparse.Namespace) -> dict[str, Any]:

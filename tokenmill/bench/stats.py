@@ -22,6 +22,9 @@ class RequestResult:
     finish_reason: str | None
     error: str | None = None
     text_digest: str | None = None  # of the whole text streamed: tells whether two servers answered alike
+    text: str | None = None  # the whole text streamed, where the caller asked to keep it (a conversation goes on)
+    prompt_tokens: int | None = None  # from the stream's `usage`, where the server sends it
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the server sends it
 
     @property
     def decode_tok_s(self) -> float | None:
