@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
 
-from tokenmill.cluster.sim.cluster import Capacity, SimConfig, SimResult, simulate
+from tokenmill.cluster.sim.cluster import ROUTINGS, Capacity, SimConfig, SimResult, simulate
 from tokenmill.cluster.sim.replica import EngineLimits, ServiceTimes
 from tokenmill.cluster.sim.trace import Workload
 
@@ -33,10 +33,23 @@ def build_parser() -> argparse.ArgumentParser:
     for title, cls in FLAG_GROUPS:
         group = p.add_argument_group(title)
         for f in fields(cls):
-            if "help" in f.metadata:  # the nested configs have their own groups
-                kind = float if f.default is None else type(f.default)
-                text = f"{f.metadata['help']} (default: {f.default})"
-                group.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=f.default, help=text)
+            if "help" not in f.metadata:  # the nested configs have their own groups
+                continue
+            flag, text = f"--{f.name.replace('_', '-')}", f"{f.metadata['help']} (default: {f.default})"
+            if isinstance(f.default, bool):
+                group.add_argument(flag, action="store_true", default=f.default, help=f.metadata["help"])
+                continue
+            kind = float if f.default is None else type(f.default)
+            group.add_argument(flag, type=kind, default=f.default, help=text)
+    p.add_argument(
+        "--routing",
+        nargs="+",
+        choices=ROUTINGS,
+        default=["two-choices", "affinity"],
+        help="how the router picks a replica, each a run: two-choices (the less loaded of two), round-robin, affinity "
+        "(the prefix key's ring), prefix (the replica caching the longest prefix, as cached-block reports allow); "
+        "default: two-choices affinity",
+    )
     return p
 
 
@@ -74,7 +87,7 @@ def result_row(cfg: SimConfig, r: SimResult) -> list[str]:
         return f"{s * 1000:.0f}"
 
     return [
-        *(str(r.replicas), "on" if r.affinity else "off", str(cfg.requests(r.replicas))),
+        *(str(r.replicas), r.routing, str(cfg.requests(r.replicas))),
         *(f"{r.offered_rps:.1f}", f"{r.completed_rps:.1f}", f"{r.output_tok_s:.0f}"),
         *(ms(r.ttft_p50_s), ms(r.ttft_p99_s), ms(r.e2e_p50_s), ms(r.e2e_p99_s)),
         *(f"{r.cached_fraction:.0%}", f"{r.proxy_util:.0%}", f"{r.replica_busy:.0%}", f"{r.replica_load:.0%}"),
@@ -83,7 +96,7 @@ def result_row(cfg: SimConfig, r: SimResult) -> list[str]:
 
 
 RESULT_HEADERS = [
-    *("replicas", "affinity", "requests", "offered/s", "done/s", "out tok/s"),
+    *("replicas", "routing", "requests", "offered/s", "done/s", "out tok/s"),
     *("TTFT p50", "p99 ms", "e2e p50", "p99 ms", "cached", "proxy", "busy", "load", "unfinished"),
 ]
 
@@ -94,8 +107,14 @@ def describe(cfg: SimConfig, replica_counts: Sequence[int]) -> str:
     return (
         f"service times: step {t.t_fixed * 1000:g} ms + {t.t_per_seq * 1000:g} ms/seq + "
         f"{t.t_per_prefill_token * 1000:g} ms/prefill token; proxy {t.s_router * 1000:g} ms/request x {cfg.proxies}\n"
-        f"workload: {w.groups} prefix groups (zipf {w.zipf:g}) of {w.prefix_tokens} tokens + {w.suffix_min}-"
-        f"{w.suffix_max} own, {w.output_min}-{w.output_max} out; cache {cfg.engine.cache_blocks} blocks a replica\n"
+        + (
+            f"workload: users of {w.rounds} rounds {w.think_s:g} s apart: a {w.prefix_tokens}-token system prompt, "
+            f"{w.history_tokens} of their own, {w.suffix_min}-{w.suffix_max}-token questions, "
+            if w.conversations
+            else f"workload: {w.groups} prefix groups (zipf {w.zipf:g}) of {w.prefix_tokens} tokens + {w.suffix_min}-"
+            f"{w.suffix_max} own, "
+        )
+        + f"{w.output_min}-{w.output_max} out; cache {cfg.engine.cache_blocks} blocks a replica\n"
         f"requests per replica (capped by --max-requests): {per_replica}; figures after the first {cfg.warmup:.0%}"
     )
 
@@ -115,6 +134,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     offered = "absolute" if cfg.rate is not None else f"{cfg.load:g} of the cold ceiling"
     print(f"\nsimulation (offered load {offered}; TTFT and e2e latency in ms)")
     print("proxy: its busy share; busy: the replicas' stepping share; load: their share of the full-batch ceiling")
-    rows = [result_row(cfg, simulate(cfg, n, affinity)) for n in args.replicas for affinity in (False, True)]
+    rows = [result_row(cfg, simulate(cfg, n, routing)) for n in args.replicas for routing in args.routing]
     print(format_table(RESULT_HEADERS, rows))
     return 0

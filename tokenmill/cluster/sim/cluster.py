@@ -1,9 +1,9 @@
 """The simulated cluster: a proxy stage, the router of cluster/router.py, and N replicas, run as discrete events.
 
 Every request first holds one of `proxies` FIFO servers for `s_router` seconds (HTTP ingress, the proxy and the
-routing decision, all serial CPU), then the router places it by the live in-flight loads: with affinity, the first
-replica under the load bound in its prefix key's ring order; without affinity (or with no whole block), the less
-loaded of two at random. Figures are taken over a window that starts after the `warmup` share of the requests has
+routing decision, all serial CPU), then the router places it by the live in-flight loads (Router: with affinity, the
+first replica under the load bound in its prefix key's ring order; by prefix, the one whose cache holds the most of
+the prompt; else the less loaded of two at random, or each replica in turn). Figures are taken over a window that starts after the `warmup` share of the requests has
 arrived (the caches start cold) and ends at the last arrival, so a saturated stage shows as its own rate.
 """
 
@@ -14,7 +14,7 @@ import itertools
 import random
 import statistics
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tokenmill.cluster.affinity import DEFAULT_LOAD_FACTOR, HashRing, bounded_order, load_bound, two_choices
@@ -77,32 +77,65 @@ def offered_rate(cfg: SimConfig, replicas: int) -> float:
     return cfg.rate if cfg.rate is not None else cfg.load * Capacity.of(cfg).cluster_rps(replicas, warm=False)
 
 
-class Router:
-    """cluster/router.py's rule over simulated loads, noting how far any placement went past the load bound."""
+ROUTINGS = ("two-choices", "round-robin", "affinity", "prefix")
 
-    def __init__(self, names: Sequence[str], affinity: bool, load_factor: float, rng: random.Random) -> None:
+
+class Router:
+    """How a request picks its replica, by `routing`: the less loaded of two at random (`two-choices`, the router
+    without affinity), each in turn (`round-robin`, a plain load balancer), cluster/router.py's affinity rule (the
+    prefix key's ring order under the load bound), or `prefix`: the replica whose cache holds the longest prefix of the
+    prompt among those under the load bound (as replicas that report their cached blocks would let a router know;
+    `cached` reads a replica's cache), the less loaded of two where none holds any. Notes how far any placement went
+    past the load bound."""
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        routing: str,
+        load_factor: float,
+        rng: random.Random,
+        cached: Callable[[str, tuple[int, ...]], int] | None = None,
+    ) -> None:
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
         self.names = list(names)
-        self.affinity = affinity
+        self.routing = routing
         self.load_factor = load_factor
         self.rng = rng
+        self.cached = cached
         self.ring = HashRing(self.names)
         self._orders: dict[int, list[str]] = {}  # a trace has few keys, and walking the ring is the slow part
+        self._turn = itertools.cycle(self.names)
         self.worst_over_bound = -len(self.names)  # max of (load after placing - bound): above 0 breaks the bound
 
-    def pick(self, key: int | None, loads: dict[str, int]) -> str:
-        if key is None or not self.affinity:
+    def pick(self, arrival: Arrival, loads: dict[str, int]) -> str:
+        bound = load_bound(sum(loads.values()), len(self.names), self.load_factor)
+        if self.routing == "round-robin":
+            return next(self._turn)
+        if self.routing == "prefix" and self.cached is not None:
+            chosen = self._longest_prefix(arrival, loads, bound)
+        elif self.routing == "affinity" and arrival.key is not None:
+            order = self._orders.get(arrival.key) or self._orders.setdefault(arrival.key, self.ring.order(arrival.key))
+            chosen = bounded_order(order, loads, self.load_factor)[0]
+        else:
             return min(two_choices(self.names, self.rng), key=loads.__getitem__)
-        order = self._orders.get(key) or self._orders.setdefault(key, self.ring.order(key))
-        chosen = bounded_order(order, loads, self.load_factor)[0]
-        bound = load_bound(sum(loads.values()), len(order), self.load_factor)
         self.worst_over_bound = max(self.worst_over_bound, loads[chosen] + 1 - bound)
         return chosen
+
+    def _longest_prefix(self, arrival: Arrival, loads: dict[str, int], bound: int) -> str:
+        assert self.cached is not None
+        under = [name for name in self.names if loads[name] < bound] or self.names
+        held = {name: self.cached(name, arrival.block_hashes) for name in under}
+        most = max(held.values())
+        if most == 0:
+            return min(two_choices(under, self.rng), key=loads.__getitem__)
+        return min((name for name in under if held[name] == most), key=loads.__getitem__)
 
 
 @dataclass(frozen=True)
 class SimResult:
     replicas: int
-    affinity: bool
+    routing: str
     offered_rps: float
     completed_rps: float
     output_tok_s: float
@@ -119,20 +152,21 @@ class SimResult:
     routed: dict[str, int]  # requests each replica took
 
 
-def simulate(cfg: SimConfig, replicas: int, affinity: bool) -> SimResult:
+def simulate(cfg: SimConfig, replicas: int, routing: str) -> SimResult:
     rate = offered_rate(cfg, replicas)
     trace = make_trace(cfg.workload, rate, cfg.requests(replicas), cfg.seed)
-    return ClusterSim(cfg, replicas, affinity, trace).run()
+    return ClusterSim(cfg, replicas, routing, trace).run()
 
 
 class ClusterSim:
-    def __init__(self, cfg: SimConfig, replicas: int, affinity: bool, trace: list[Arrival]) -> None:
+    def __init__(self, cfg: SimConfig, replicas: int, routing: str, trace: list[Arrival]) -> None:
         self.cfg = cfg
         self.fleet = {
             f"r{i}": Replica(f"r{i}", cfg.engine, cfg.times, cfg.workload.block_size) for i in range(replicas)
         }
         self.loads = dict.fromkeys(self.fleet, 0)
-        self.router = Router(list(self.fleet), affinity, cfg.load_factor, random.Random(cfg.seed + 1))
+        cached = self._cached
+        self.router = Router(list(self.fleet), routing, cfg.load_factor, random.Random(cfg.seed + 1), cached)
         self.flights = [Flight(a) for a in trace]
         self.skip = min(
             int(len(trace) * cfg.warmup), len(trace) - 2
@@ -169,9 +203,12 @@ class ClusterSim:
     def _fleet_busy(self) -> tuple[float, float]:
         return sum(r.busy_s for r in self.fleet.values()), sum(r.work_s for r in self.fleet.values())
 
+    def _cached(self, name: str, hashes: tuple[int, ...]) -> int:
+        return self.fleet[name].cache.peek(hashes)
+
     def _route(self, flight: Flight) -> Replica | None:
         """Place a request; the replica when it was idle and must start stepping."""
-        replica = self.fleet[self.router.pick(flight.arrival.key, self.loads)]
+        replica = self.fleet[self.router.pick(flight.arrival, self.loads)]
         replica.add(flight)
         self.loads[replica.name] += 1
         return None if replica.stepping else replica
@@ -193,7 +230,7 @@ class ClusterSim:
         routed = Counter(f.replica for f in self.flights)
         return SimResult(
             replicas=len(self.fleet),
-            affinity=self.router.affinity,
+            routing=self.router.routing,
             offered_rps=(len(self.flights) - 1 - self.skip) / span,  # arrivals after the window's first
             completed_rps=len(done_in_window) / span,
             output_tok_s=sum(f.arrival.output_tokens for f in done_in_window) / span,

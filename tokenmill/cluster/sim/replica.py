@@ -87,6 +87,16 @@ class PrefixCache:
             hits += 1
         return hits
 
+    def peek(self, hashes: tuple[int, ...]) -> int:
+        """How many leading blocks are cached, as `match` counts them, leaving the LRU order alone (what a router
+        that knows the replicas' caches reads)."""
+        hits = 0
+        for h in hashes:
+            if h not in self._blocks:
+                break
+            hits += 1
+        return hits
+
     def insert(self, hashes: tuple[int, ...]) -> None:
         for h in hashes:
             self._blocks[h] = None

@@ -30,12 +30,21 @@ class Workload:
     output_max: int = option(112, "most output tokens of a request")
     block_size: int = option(16, "tokens per KV-cache block, as the engine's --block-size")
     vocab: int = option(32000, "token ids are drawn below this")
+    # conversations (vLLM production-stack's multi-round QA): every prompt starts with one shared system prompt of
+    # prefix_tokens, then its user's own history, then each earlier round's question and answer, then the question
+    # (a suffix's length); a user asks `rounds` questions, `think_s` apart
+    conversations: bool = option(False, "multi-round QA users instead of prefix groups (the options below)")
+    rounds: int = option(5, "with --conversations: questions each user asks")
+    history_tokens: int = option(1000, "with --conversations: tokens of each user's own text before its first question")
+    think_s: float = option(10.0, "with --conversations: seconds between a user's questions")
 
     def __post_init__(self) -> None:
         if self.groups < 1 or self.block_size < 1 or self.vocab < 2:
             raise ValueError("groups, block_size and vocab must be positive")
         if not 1 <= self.suffix_min <= self.suffix_max or not 1 <= self.output_min <= self.output_max:
             raise ValueError("suffix and output ranges must be 1 <= min <= max")
+        if self.rounds < 1 or self.history_tokens < 0 or self.think_s <= 0:
+            raise ValueError("rounds must be at least 1, history_tokens not negative, think_s positive")
 
     @property
     def mean_prompt_tokens(self) -> float:
@@ -66,6 +75,8 @@ class Arrival:
 
 def make_trace(workload: Workload, rate: float, count: int, seed: int) -> list[Arrival]:
     """`count` requests arriving as a Poisson process of `rate` per second, the same for the same seed."""
+    if workload.conversations:
+        return make_conversations(workload, rate, count, seed)
     rng = random.Random(seed)
     prefixes = [rng.choices(range(workload.vocab), k=workload.prefix_tokens) for _ in range(workload.groups)]
     weights = [1 / (g + 1) ** workload.zipf for g in range(workload.groups)]
@@ -91,3 +102,37 @@ def block_hashes(tokens: list[int], block_size: int) -> tuple[int, ...]:
         parent = hash((parent, tuple(tokens[start : start + block_size])))  # ints and tuples hash the same every run
         hashes.append(parent)
     return tuple(hashes)
+
+
+def make_conversations(workload: Workload, rate: float, count: int, seed: int) -> list[Arrival]:
+    """`count` requests of multi-round QA users: users start as a Poisson process (rate / rounds a second, so that
+    their questions come at `rate`), each asks its rounds `think_s` apart (whatever its answers' times: an open
+    loop), and a round's prompt is the system prompt, the user's history, and every earlier question and answer
+    before its own. `group` is the user."""
+    rng = random.Random(seed)
+    system = rng.choices(range(workload.vocab), k=workload.prefix_tokens)
+    asked: list[tuple[float, int, list[int], int]] = []  # (arrival, user, prompt tokens, output tokens)
+    start, user = 0.0, 0
+    while len(asked) < count:
+        start += rng.expovariate(rate / workload.rounds)
+        context = system + rng.choices(range(workload.vocab), k=workload.history_tokens)
+        for r in range(workload.rounds):
+            question = rng.choices(range(workload.vocab), k=rng.randint(workload.suffix_min, workload.suffix_max))
+            output = rng.randint(workload.output_min, workload.output_max)
+            context = context + question
+            asked.append((start + r * workload.think_s, user, context, output))
+            context = context + rng.choices(range(workload.vocab), k=output)  # its answer, in the next prompts
+        user += 1
+    asked.sort(key=lambda a: a[0])
+    return [
+        Arrival(
+            i,
+            at,
+            who,
+            len(tokens),
+            block_hashes(tokens, workload.block_size),
+            prefix_key(tokens, workload.block_size),
+            out,
+        )
+        for i, (at, who, tokens, out) in enumerate(asked[:count])
+    ]
