@@ -22,3 +22,33 @@ def test_replicas_counters_add_up_and_per_position_counts_position_by_position()
     total = summed([a, b])
     assert (total.steps, total.max_seqs_in_step, total.spec_drafts) == (8, 7, 3)
     assert total.spec_accepted_per_position == [5, 3, 1]
+
+
+def test_a_replica_reports_the_prefix_blocks_it_holds_as_the_router_keys_a_prompt() -> None:
+    """What record_routing_stats tells the router (every few seconds, through Ray Serve): the keys of the blocks a
+    served prompt left cached, the same as the router computes from that prompt's ids (cluster/router.py)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from tests.engine.tiny import tiny_core
+    from tokenmill.cluster.replica import EngineReplica
+    from tokenmill.cluster.router import HELD_BLOCKS, _block_keys
+    from tokenmill.engine.engine import AsyncEngine
+    from tokenmill.engine.sampling import SamplingParams
+
+    prompt = list(range(10, 40))  # seven whole blocks of 4 before its last token
+
+    async def serve_one() -> dict[str, list[int]]:
+        engine = AsyncEngine(tiny_core(), "tiny", "fp_tiny")
+        replica = SimpleNamespace(engine=engine)  # the method's `self`: its constructor needs a Serve replica
+        await engine.start()
+        try:
+            async for _ in engine.generate("r", prompt, SamplingParams(max_tokens=1)):
+                pass
+            return await EngineReplica.record_routing_stats(replica)  # type: ignore[arg-type]
+        finally:
+            await engine.stop()
+
+    reported = asyncio.run(asyncio.wait_for(serve_one(), timeout=60))[HELD_BLOCKS]
+    keys = _block_keys(prompt + [99], None, 4)  # a next prompt that starts with this one
+    assert len(keys) == 7 and set(keys) <= set(reported)

@@ -73,3 +73,43 @@ def test_calls_without_prompt_ids_are_routed_too() -> None:
     router = make_router()
     assert len(choose(router, replicas(3), SimpleNamespace(args=[], routing_context=SimpleNamespace()))[0]) == 2
     assert choose(router, [], pending(SHARED)) == []
+
+
+def held(ids: list[int], blocks: int, salt: str | None = None) -> list[int]:
+    """What a replica holding the first `blocks` blocks of `ids` reports (EngineReplica.record_routing_stats)."""
+    from tokenmill.engine.kv_cache import PrefixHashes
+
+    chain = PrefixHashes(salt)
+    return [int.from_bytes(chain.block(i, ids, 16)[:8], "little") for i in range(blocks)]
+
+
+def test_a_replica_holding_more_of_the_prompt_comes_first_whatever_the_ring_says() -> None:
+    """Every conversation starts with the same system prompt (one first block, one ring position); the replica that
+    reported holding the user's history takes its next round."""
+    router, four = make_router(block_size=16), replicas(4)
+    history = SHARED + list(range(500, 564))  # the system prompt's block, then four of the user's own
+    prompt = history + [7, 8, 9]
+    ring_first = choose(router, four, pending(prompt))[0][0]
+    holder = next(r for r in four if r.replica_id.unique_id != ring_first)
+    other = next(r for r in four if r.replica_id.unique_id not in (ring_first, holder.replica_id.unique_id))
+    holder.routing_stats = {"prefix_blocks": held(history, 5)}
+    other.routing_stats = {"prefix_blocks": held(history, 1)}  # the system prompt only
+    ranked = choose(router, four, pending(prompt))
+    assert ranked[0] == [holder.replica_id.unique_id] and ranked[1] == [other.replica_id.unique_id]
+    assert sorted(r for (r,) in ranked) == ["r0", "r1", "r2", "r3"]  # the rest in ring order after them
+
+
+def test_held_blocks_count_only_under_the_load_bound_and_with_the_same_salt() -> None:
+    router, four = make_router(block_size=16), replicas(4)
+    history = SHARED + list(range(500, 564))
+    ring = choose(router, four, pending(history + [1]))
+    holder = next(r for r in four if r.replica_id.unique_id != ring[0][0])
+    holder.routing_stats = {"prefix_blocks": held(history, 5, salt="tenant-a")}
+    assert choose(router, four, pending(history + [1])) == ring  # its blocks were made under another salt
+    salted = SimpleNamespace(
+        args=["id", history + [1], SimpleNamespace(cache_salt="tenant-a")],
+        routing_context=SimpleNamespace(should_backoff=False),
+    )
+    assert choose(router, four, salted)[0] == [holder.replica_id.unique_id]
+    router.replica_queue_len_cache.update(holder.replica_id, 12)  # over the bound: the ring decides again
+    assert choose(router, four, salted)[0] != [holder.replica_id.unique_id]

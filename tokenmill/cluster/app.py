@@ -31,6 +31,7 @@ from tokenmill.config import Config
 APP_NAME = "tokenmill"
 ROUTER = "tokenmill.cluster.router:PrefixAffinityRouter"  # imported by Ray where a handle routes (the ingress)
 HEALTH_CHECK_PERIOD_S = 2.0  # how soon Ray Serve notices a replica whose engine loop died (a dead process: at once)
+ROUTING_STATS_PERIOD_S = 1.0  # how stale the router's view of each replica's cached prefixes may be
 INGRESS_MAX_ONGOING = 100_000  # the ingress takes every HTTP request; its own admission (api/admission.py) bounds them
 
 
@@ -86,6 +87,8 @@ def _engine_deployment(config: Config, index: int, threads: int) -> Any:
     router = {  # RequestRouterConfig's fields
         "request_router_class": ROUTER,
         "request_router_kwargs": {"block_size": config.block_size, "affinity": config.prefix_affinity},
+        # how often each replica tells the router which prefix blocks it holds (EngineReplica.record_routing_stats)
+        "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S,
     }
     replicas: dict[str, Any] = {"num_replicas": config.replicas or 1}
     if config.max_replicas is not None:

@@ -18,10 +18,12 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from ray import serve
 
 from tokenmill.api.logs import configure_logging
+from tokenmill.cluster.router import HELD_BLOCKS
 from tokenmill.config import Config
 from tokenmill.engine.core import EngineStats
 from tokenmill.engine.outputs import EngineDescription, RequestOutput, StepReport
@@ -31,6 +33,7 @@ from tokenmill.server.load import load_engine
 from tokenmill.tokenizer import Tokenizer
 
 MAX_UNREAD_STEPS = 65_536  # steps kept for the next snapshot; a replica nobody scrapes drops its oldest
+REPORTED_BLOCKS = 16_384  # most prefix blocks a replica reports to the router (8 bytes each)
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,12 @@ class EngineReplica:
         """The engine's outputs for one prompt; the caller cancelling the stream aborts the request."""
         async for output in self.engine.generate(request_id, prompt_token_ids, params):
             yield output
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Ray Serve's routing stats (every ROUTING_STATS_PERIOD_S): the prefix blocks this replica holds, for the
+        router (cluster/router.py), read between two engine steps."""
+        keys = await self.engine.between_steps(lambda: self.engine.core.blocks.held_keys(REPORTED_BLOCKS))
+        return {HELD_BLOCKS: [int.from_bytes(key[:8], "little") for key in keys]}
 
     def describe(self) -> ReplicaInfo:
         engine = self.engine

@@ -8,6 +8,13 @@ the next on the ring. Loads are the requests in flight that this router has sent
 queue-length cache (probed when it has nothing). A call without ids, or a prompt shorter than one block, goes by
 power of two choices, as Ray's default router does.
 
+Where replicas report the prefix blocks they hold (EngineReplica.record_routing_stats, every app.py's
+ROUTING_STATS_PERIOD_S: Ray Serve's routing stats), a replica under the load bound that holds the longest run of the
+prompt's leading blocks comes first: a conversation's next round goes where its history is, though every prompt
+starts with the same system prompt and so the same first block. The prompt's blocks are keyed as the engine keys
+them (engine/kv_cache.py: SHA-256 chains from the request's cache_salt), the first 8 bytes of each. The reports are
+up to a period old: a block cached since is found at the next.
+
 The router lives in the process of the handle's owner: the ingress, which sends every request, so its loads are
 the whole story on one ingress replica.
 """
@@ -19,9 +26,20 @@ from collections.abc import Sequence
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from tokenmill.cluster.affinity import DEFAULT_LOAD_FACTOR, HashRing, bounded_order, prefix_key, two_choices
+from tokenmill.cluster.affinity import (
+    DEFAULT_LOAD_FACTOR,
+    HashRing,
+    bounded_order,
+    load_bound,
+    prefix_key,
+    two_choices,
+)
+from tokenmill.engine.kv_cache import PrefixHashes
 
 PROMPT_ARG = 1  # EngineReplica.generate's positional argument that holds the prompt's token ids
+PARAMS_ARG = 2  # ... and its SamplingParams (the cache_salt its blocks' keys start from)
+HELD_BLOCKS = "prefix_blocks"  # the routing stats' entry: the first 8 bytes of each held block's key, as an int
+MAX_PROMPT_BLOCKS = 512  # leading blocks of a prompt looked up (8,192 tokens of 16)
 
 
 class PrefixAffinityRouter(RequestRouter):
@@ -33,6 +51,7 @@ class PrefixAffinityRouter(RequestRouter):
         self.affinity = affinity
         self._ring = HashRing(())
         self._rng = random.Random()
+        self._held: dict[str, tuple[object, frozenset[int]]] = {}  # replica → (its stats' list, as a set)
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -46,11 +65,58 @@ class PrefixAffinityRouter(RequestRouter):
         if set(self._ring.replicas) != set(by_id):
             self._ring = HashRing(by_id)
         loads = {rid: self._in_flight(r) for rid, r in by_id.items()}
-        return [[by_id[rid]] for rid in bounded_order(self._ring.order(key), loads, self.load_factor)]
+        order = bounded_order(self._ring.order(key), loads, self.load_factor)
+        holders = self._holders(pending_request, by_id, loads)
+        return [[by_id[rid]] for rid in [*holders, *(rid for rid in order if rid not in holders)]]
+
+    def _holders(
+        self, pending: PendingRequest | None, by_id: dict[str, RunningReplica], loads: dict[str, int]
+    ) -> list[str]:
+        """The replicas under the load bound that hold some of the prompt's leading blocks, the most first (then the
+        least loaded); [] where none has reported holding any."""
+        ids = _prompt_ids(pending)
+        keys = _block_keys(ids, _cache_salt(pending), self.block_size)
+        if not keys:
+            return []
+        bound = load_bound(sum(loads.values()), len(by_id), self.load_factor)
+        held = {rid: _leading(keys, self._held_set(rid, r)) for rid, r in by_id.items() if loads[rid] < bound}
+        return sorted((rid for rid, n in held.items() if n), key=lambda rid: (-held[rid], loads[rid], rid))
+
+    def _held_set(self, rid: str, replica: RunningReplica) -> frozenset[int]:
+        """The replica's last report as a set, made again only when a new report came."""
+        stats = getattr(replica, "routing_stats", None) or {}
+        reported = stats.get(HELD_BLOCKS) or ()
+        known = self._held.get(rid)
+        if known is None or known[0] is not reported:
+            known = self._held[rid] = (reported, frozenset(reported))
+        return known[1]
 
     def _in_flight(self, replica: RunningReplica) -> int:
         known = self.replica_queue_len_cache.get(replica.replica_id)
         return 0 if known is None else int(known)
+
+
+def _block_keys(ids: Sequence[int], salt: str | None, block_size: int) -> list[int]:
+    """The first 8 bytes of the prefix-cache key of each whole block before the prompt's last token (the engine
+    always computes that one), as an int, up to MAX_PROMPT_BLOCKS."""
+    count = min((len(ids) - 1) // block_size, MAX_PROMPT_BLOCKS) if block_size > 0 else 0
+    chain = PrefixHashes(salt)
+    return [int.from_bytes(chain.block(i, ids, block_size)[:8], "little") for i in range(count)]
+
+
+def _leading(keys: Sequence[int], held: frozenset[int]) -> int:
+    """How many of the prompt's leading blocks a replica holds (a key chains every block before it)."""
+    for n, key in enumerate(keys):
+        if key not in held:
+            return n
+    return len(keys)
+
+
+def _cache_salt(pending: PendingRequest | None) -> str | None:
+    if pending is None or len(pending.args) <= PARAMS_ARG:
+        return None
+    salt = getattr(pending.args[PARAMS_ARG], "cache_salt", None)
+    return salt if isinstance(salt, str) else None
 
 
 def _prompt_ids(pending: PendingRequest | None) -> Sequence[int]:

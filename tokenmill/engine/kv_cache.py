@@ -111,6 +111,15 @@ class BlockManager:
         self.hash_to_block: dict[bytes, int] = {}
         self.block_to_hash: dict[int, bytes] = {}
 
+    def held_keys(self, most: int) -> list[bytes]:
+        """Up to `most` prefix-cache keys whose blocks a prompt could reuse here: the live cache's, the latest
+        registered first, then the RAM tier's, the latest used first (what a router that prefers replicas holding a
+        prompt's prefix reads)."""
+        keys = list(reversed(self.hash_to_block))[:most]
+        if self.tiers is not None and len(keys) < most:
+            keys += [k for k in reversed(self.tiers.ram.entries) if k not in self.hash_to_block][: most - len(keys)]
+        return keys
+
     @property
     def num_free(self) -> int:
         return len(self.free)
