@@ -235,3 +235,30 @@ def _busiest_replica_pid(samples: Any) -> int:
     pids = [dict(labels)["pid"] for (name, labels) in samples if name == "tokenmill_replica_info"]
     replicas = [dict(labels)["replica"] for (name, labels) in samples if name == "tokenmill_replica_info"]
     return int(pids[replicas.index(busiest)])
+
+
+def test_a_conversations_next_round_goes_where_its_history_is_cached(replicas: Server) -> None:
+    """Users whose prompts share only a system prompt's first block: the ring puts them all on one replica until its
+    load bound spills some to the other. Each replica then reports the blocks it holds, and a user's next round goes
+    to the replica holding its history, not back to the ring's choice (where only the system prompt is cached)."""
+    system = "hello world the capital is of France and " * 4  # more than two whole blocks, unlike other tests'
+    histories = [system + f"user {i} " + "Paris is the capital of France and the world " * 4 for i in range(12)]
+    before = per_replica(scrape(replicas), "tokenmill_replica_tokens_computed_total")
+    first: dict[int, dict[str, Any]] = {}
+
+    def ask(i: int) -> None:
+        body = {"model": MODEL, "prompt": histories[i], "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+        first[i] = post(replicas, body).json()["usage"]
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(histories))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(TIMEOUT_S)
+    after = per_replica(scrape(replicas), "tokenmill_replica_tokens_computed_total")
+    assert all(after[r] > before.get(r, 0) for r in after), (before, after)  # the bound spilled some users over
+    time.sleep(3.0)  # each replica reports its blocks every second
+    for i, history in enumerate(histories):
+        usage = post(replicas, {"model": MODEL, "prompt": history + " and then", "max_tokens": 1}).json()["usage"]
+        held = (first[i]["prompt_tokens"] - 1) // 16 * 16
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= held - 16, (i, first[i], usage)
