@@ -22,9 +22,8 @@ from tokenmill.bench import load
 from tokenmill.bench.llama_server import ensure_llama_server, llama_server_spec
 from tokenmill.bench.load import LoadSettings
 from tokenmill.bench.lora import write_gguf_lora, write_random_adapter
-from tokenmill.bench.report import progress
-from tokenmill.bench.servers import ManagedServer, ServerSpec, free_port, tokenmill_spec
-from tokenmill.bench.stats import larger
+from tokenmill.bench.servers import ServerSpec, free_port, tokenmill_spec
+from tokenmill.bench.workload_run import in_turn
 from tokenmill.model.loading.gguf_convert import gguf_config
 from tokenmill.model.loading.gguf_file import read_gguf_file
 
@@ -89,20 +88,11 @@ def run_lora(
         peft, gguf = adapters_for(model_file, args.lora, args.lora_rank, Path(tmp) / "adapters")
         systems = systems_for(args, model_file, peft, gguf)
         results: dict[str, dict[str, Any]] = {s.spec.name: {"passes": [], "peak_rss_mb": None} for s in systems}
-        for r in range(rounds):
-            for system in systems if r % 2 == 0 else systems[::-1]:
-                spec = system.spec
-                progress(f"round {r + 1}/{rounds}: {spec.name}, {args.lora} adapters of rank {args.lora_rank}")
-                if r == 0:
-                    progress(f"starting {spec.name}: {shlex.join(spec.argv)}")
-                server = ManagedServer(spec, Path(tmp))
-                try:
-                    server.start(start_timeout)
-                    if settings.eos_ids is None:
-                        settings = dataclasses.replace(settings, eos_ids=load.served_eos_ids(server.url, settings))
-                    own = dataclasses.replace(settings, variants=system.variants)
-                    results[spec.name]["passes"].append(load.run(load.bench_url(server.url, own)))
-                finally:
-                    server.stop()
-                    results[spec.name]["peak_rss_mb"] = larger(results[spec.name]["peak_rss_mb"], server.peak_rss_mb)
+        variants = {s.spec.name: s.variants for s in systems}
+        what = f", {args.lora} adapters of rank {args.lora_rank}"
+        for spec, server in in_turn([s.spec for s in systems], rounds, start_timeout, Path(tmp), results, what):
+            if settings.eos_ids is None:
+                settings = dataclasses.replace(settings, eos_ids=load.served_eos_ids(server.url, settings))
+            own = dataclasses.replace(settings, variants=variants[spec.name])
+            results[spec.name]["passes"].append(load.run(load.bench_url(server.url, own)))
     return {"settings": settings, "systems": results}

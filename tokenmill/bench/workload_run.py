@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import shlex
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,22 +79,14 @@ def run_workload(args: argparse.Namespace, settings: LoadSettings, rounds: int, 
     systems: dict[str, dict[str, Any]] = {spec.name: {"passes": [], "peak_rss_mb": None} for spec in specs}
     drafts: list[dict[str, Any]] = []  # the speculating server's /stats after each of its passes
     with tempfile.TemporaryDirectory(prefix="tokenmill-bench-") as tmp:
-        for r in range(rounds):
-            for spec in specs if r % 2 == 0 else specs[::-1]:  # A B C D, D C B A: drift falls alike
-                progress(f"round {r + 1}/{rounds}: {spec.name} on the {args.workload} workload")
-                if r == 0:  # each system's command, once
-                    progress(f"starting {spec.name}: {shlex.join(spec.argv)}")
-                server = ManagedServer(spec, Path(tmp))
-                try:
-                    server.start(start_timeout)
-                    if settings.eos_ids is None:
-                        settings = dataclasses.replace(settings, eos_ids=load.served_eos_ids(server.url, settings))
-                    systems[spec.name]["passes"].append(load.run(load.bench_url(server.url, settings)))
-                    if spec is specs[0]:
-                        drafts.append(load.run(_spec_stats(server.url, settings)))
-                finally:
-                    server.stop()
-                    systems[spec.name]["peak_rss_mb"] = larger(systems[spec.name]["peak_rss_mb"], server.peak_rss_mb)
+        for spec, server in in_turn(
+            specs, rounds, start_timeout, Path(tmp), systems, f" on the {args.workload} workload"
+        ):
+            if settings.eos_ids is None:
+                settings = dataclasses.replace(settings, eos_ids=load.served_eos_ids(server.url, settings))
+            systems[spec.name]["passes"].append(load.run(load.bench_url(server.url, settings)))
+            if spec is specs[0]:
+                drafts.append(load.run(_spec_stats(server.url, settings)))
     names = list(systems)
     return {
         "settings": settings,
@@ -101,6 +94,31 @@ def run_workload(args: argparse.Namespace, settings: LoadSettings, rounds: int, 
         "speculation": _summed_stats(drafts),
         "agreement": agreement(systems[names[0]]["passes"], systems[names[1]]["passes"]),
     }
+
+
+def in_turn(
+    specs: list[ServerSpec],
+    rounds: int,
+    start_timeout: float,
+    log_dir: Path,
+    systems: dict[str, dict[str, Any]],
+    what: str = "",
+) -> Iterator[tuple[ServerSpec, ManagedServer]]:
+    """Each pass's system and its server, started for it and stopped once the caller is done with it, round after
+    round in turn one way and then back (A B C D, D C B A: the machine's drift falls on all alike); each system's
+    peak RSS kept in systems[name]["peak_rss_mb"]."""
+    for r in range(rounds):
+        for spec in specs if r % 2 == 0 else specs[::-1]:
+            progress(f"round {r + 1}/{rounds}: {spec.name}{what}")
+            if r == 0:  # each system's command, once
+                progress(f"starting {spec.name}: {shlex.join(spec.argv)}")
+            server = ManagedServer(spec, log_dir)
+            try:
+                server.start(start_timeout)
+                yield spec, server
+            finally:
+                server.stop()
+                systems[spec.name]["peak_rss_mb"] = larger(systems[spec.name]["peak_rss_mb"], server.peak_rss_mb)
 
 
 def agreement(first: list[dict[str, Any]], second: list[dict[str, Any]]) -> dict[str, int]:
