@@ -156,3 +156,14 @@ def test_prefix_routing_keeps_a_users_rounds_where_its_history_is_cached() -> No
     assert runs["prefix"].cached_fraction > runs["affinity"].cached_fraction
     assert runs["prefix"].ttft_p50_s < 0.6 * runs["round-robin"].ttft_p50_s
     assert all(run.unfinished == 0 for run in runs.values())
+
+
+def test_same_replica_counts_how_often_a_users_next_round_follows_its_last() -> None:
+    workload = Workload(
+        conversations=True, rounds=5, prefix_tokens=256, history_tokens=512, think_s=3.0, output_min=16, output_max=48
+    )
+    cfg = SimConfig(workload=workload, engine=EngineLimits(cache_blocks=2048), rate=3.0, requests_per_replica=150)
+    prefix, robin = simulate(cfg, 8, "prefix"), simulate(cfg, 8, "round-robin")
+    assert prefix.same_replica >= 0.9  # the bar for same prefix → same replica
+    assert robin.same_replica < 0.3  # in turn over 8: a user's next round lands on the same one by chance
+    assert simulate(cfg, 1, "two-choices").same_replica == 1.0

@@ -90,14 +90,15 @@ def result_row(cfg: SimConfig, r: SimResult) -> list[str]:
         *(str(r.replicas), r.routing, str(cfg.requests(r.replicas))),
         *(f"{r.offered_rps:.1f}", f"{r.completed_rps:.1f}", f"{r.output_tok_s:.0f}"),
         *(ms(r.ttft_p50_s), ms(r.ttft_p99_s), ms(r.e2e_p50_s), ms(r.e2e_p99_s)),
-        *(f"{r.cached_fraction:.0%}", f"{r.proxy_util:.0%}", f"{r.replica_busy:.0%}", f"{r.replica_load:.0%}"),
+        *(f"{r.cached_fraction:.0%}", f"{r.same_replica:.0%}", f"{r.proxy_util:.0%}", f"{r.replica_busy:.0%}"),
+        f"{r.replica_load:.0%}",
         str(r.unfinished),
     ]
 
 
 RESULT_HEADERS = [
     *("replicas", "routing", "requests", "offered/s", "done/s", "out tok/s"),
-    *("TTFT p50", "p99 ms", "e2e p50", "p99 ms", "cached", "proxy", "busy", "load", "unfinished"),
+    *("TTFT p50", "p99 ms", "e2e p50", "p99 ms", "cached", "same", "proxy", "busy", "load", "unfinished"),
 ]
 
 
@@ -133,7 +134,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(capacity_table(cfg, args.replicas))
     offered = "absolute" if cfg.rate is not None else f"{cfg.load:g} of the cold ceiling"
     print(f"\nsimulation (offered load {offered}; TTFT and e2e latency in ms)")
-    print("proxy: its busy share; busy: the replicas' stepping share; load: their share of the full-batch ceiling")
+    print(
+        "same: of the requests after their group's (user's) first, the share sent where the group's previous one went;"
+        " proxy: its busy share; busy: the replicas' stepping share; load: their share of the full-batch ceiling"
+    )
     rows = [result_row(cfg, simulate(cfg, n, routing)) for n in args.replicas for routing in args.routing]
     print(format_table(RESULT_HEADERS, rows))
     return 0

@@ -150,6 +150,7 @@ class SimResult:
     unfinished: int  # requests still in flight when the run stopped at max_sim_s
     worst_over_bound: int
     routed: dict[str, int]  # requests each replica took
+    same_replica: float  # of the requests after a group's (a user's) first, the share sent where its previous one went
 
 
 def simulate(cfg: SimConfig, replicas: int, routing: str) -> SimResult:
@@ -246,7 +247,22 @@ class ClusterSim:
             unfinished=sum(1 for f in self.flights if f.done_s is None),
             worst_over_bound=self.router.worst_over_bound,
             routed={name: routed[name] for name in self.fleet},
+            same_replica=same_replica_share(self.flights),
         )
+
+
+def same_replica_share(flights: Sequence[Flight]) -> float:
+    """Of the requests after their group's first (a prefix group's, or a user's), in arrival order, the share routed
+    to the replica that took the group's previous request: how often a shared prefix meets the cache that holds it."""
+    last: dict[int, str | None] = {}
+    same = following = 0
+    for flight in sorted(flights, key=lambda f: f.arrival.arrival_s):
+        group = flight.arrival.group
+        if group in last:
+            following += 1
+            same += flight.replica == last[group]
+        last[group] = flight.replica
+    return same / following if following else 1.0
 
 
 def p50_p99(values: Sequence[float]) -> tuple[float, float]:
