@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from tokenmill.model.loading.gguf_convert import gguf_block_name
+from tokenmill.model.lora import projection_widths
 from tokenmill.model.model_config import ModelConfig
 
 STD_A, STD_B = 0.02, 0.02  # the random A's and B's spread: scale · B·A is a ~1% change of a unit-scale weight
@@ -21,13 +22,12 @@ STD_A, STD_B = 0.02, 0.02  # the random A's and B's spread: scale · B·A is a ~
 
 def projections(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """Each adapted projection of a layer (the checkpoint's names) → (input, output) width."""
-    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    hidden, ffn = config.hidden_size, config.intermediate_size
-    attention = {"self_attn.q_proj": (hidden, q), "self_attn.k_proj": (hidden, kv), "self_attn.v_proj": (hidden, kv)}
-    attention["self_attn.o_proj"] = (q, hidden)
-    if config.architecture == "starcoder2":
-        return {**attention, "mlp.c_fc": (hidden, ffn), "mlp.c_proj": (ffn, hidden)}
-    return {**attention, "mlp.gate_proj": (hidden, ffn), "mlp.up_proj": (hidden, ffn), "mlp.down_proj": (ffn, hidden)}
+    widths = projection_widths(config)
+    mlp = ("c_fc", "c_proj") if config.architecture == "starcoder2" else ("gate_proj", "up_proj", "down_proj")
+    return {
+        **{f"self_attn.{name}": widths[name] for name in ("q_proj", "k_proj", "v_proj", "o_proj")},
+        **{f"mlp.{name}": widths[name] for name in mlp},
+    }
 
 
 def write_random_adapter(directory: Path, config: ModelConfig, rank: int, seed: int, alpha: float = 32.0) -> Path:

@@ -49,6 +49,10 @@ class MultiRoundSettings:
     request_timeout_s: float = 300.0
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if self.users < 1 or self.rounds < 1 or self.qps <= 0 or self.answer_tokens < 1:
+            raise ValueError("users, rounds, qps and answer_tokens must be positive")
+
 
 def text(words: int, rng: random.Random) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))

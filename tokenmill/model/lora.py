@@ -157,7 +157,7 @@ class AdapterSlots:
         self.targets: dict[str, tuple[LoraLinear, int | None]] = {}
         self.projections: list[list[LoraLinear | None]] = []  # per layer, in C_PROJECTIONS' order (lora.c's)
         self._tables: dict[int, ctypes.Array[ctypes.c_void_p]] = {}  # slot → its updates for lora.c, by layer
-        widths = _widths(cfg)
+        widths = projection_widths(cfg)
         for i, layer in enumerate(layers):
             for holder_name in ("self_attn", "mlp"):
                 holder = getattr(layer, holder_name)
@@ -279,7 +279,7 @@ def _column_blocks(bt: torch.Tensor) -> torch.Tensor:
     return padded.view(rank, -1, 16).transpose(0, 1).contiguous()
 
 
-def _widths(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+def projection_widths(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """Every projection's (input, output) width, by its checkpoint name and by its stacked name."""
     q, kv, hidden, ffn = (
         cfg.num_heads * cfg.head_dim,
