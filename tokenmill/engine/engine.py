@@ -101,6 +101,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._adds: list[_Add] = []
         self._calls: list[tuple[Callable[[], Any], Future[Any]]] = []  # run on the engine thread between steps
+        self._loop_ended = False  # the step loop has returned (set with its last drain of _calls)
         self._aborts: list[str] = []
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._wakeup = threading.Event()
@@ -174,7 +175,11 @@ class AsyncEngine:
             return await asyncio.wrap_future(self._executor.submit(fn))
         done: Future[T] = Future()
         with self._lock:
-            self._calls.append((fn, done))
+            ended = self._loop_ended  # its last drain of the calls is done: none would run this one
+            if not ended:
+                self._calls.append((fn, done))
+        if ended:
+            raise RuntimeError("the engine stopped")
         self._wake()
         return await asyncio.wrap_future(done)
 
@@ -225,7 +230,7 @@ class AsyncEngine:
             log.exception("the engine loop died; the server can no longer serve")
         finally:
             with self._lock:
-                calls, self._calls = self._calls, []
+                calls, self._calls, self._loop_ended = self._calls, [], True
             for _, done in calls:
                 done.set_exception(RuntimeError("the engine stopped"))
             self._deliver_threadsafe(None)
