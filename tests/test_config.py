@@ -35,6 +35,7 @@ COMPANIONS: dict[str, dict[str, Any]] = {
     "kv_cache_weights": {"model": TWO_MODELS},
     "min_replicas": {"max_replicas": 9},  # autoscaling settings need its upper bound
     "target_ongoing_requests": {"max_replicas": 9},
+    "simulate_engine": {"replicas": 2},  # it stands in for engine replicas
 }
 VALUES: dict[str, Any] = {  # str fields whose text Config checks
     **{name: "90/min" for name in RATE_LIMITS},

@@ -109,6 +109,11 @@ class Config:
         4, "most prompts prefilled in one step (a burst is taken a few at a time: earlier first tokens)"
     )
     threads: int | None = _opt(None, "torch intra-op threads; default: all cores")
+    stream_interval: int = _opt(
+        1,
+        "after a request's first token, its outputs go out every N tokens (a stream's chunks carry N tokens each):"
+        " fewer messages and SSE frames per token, at N steps between chunks (SGLang's and vLLM's --stream-interval)",
+    )
     structured_outputs_at_start: bool = _opt(
         False,
         "build llguidance's view of each model's vocabulary at start (seconds and ~150 MB for a 262k vocabulary)"
@@ -188,6 +193,19 @@ class Config:
     prefix_affinity: bool = _opt(
         True, "route prompts sharing their first KV block to the same replica (off: power of two choices)"
     )
+    ingress_replicas: int = _opt(
+        1,
+        "HTTP ingress replicas (each parses, tokenises and streams; rate limits, usage and metrics are shared);"
+        " with --max-ingress-replicas, the fewest the autoscaler keeps",
+    )
+    max_ingress_replicas: int | None = _opt(
+        None, "autoscale the ingress replicas up to this many on the requests each has in flight"
+    )
+    simulate_engine: bool = _opt(
+        False,
+        "engine replicas that do not run the model: each step sleeps the time the real engine's would take and every"
+        " answer repeats one token (load tests of the ingress, routing and limits; docs/scaling.md)",
+    )
     # --- limits: what one request may ask for, and how much may wait (docs/api.md, "Limits") ---
     max_waiting_requests: int = _opt(1024, "prompts admitted but not yet started; past it new requests get 429")
     max_waiting_tokens: int = _opt(1 << 20, "prompt tokens of the waiting prompts; past it new requests get 429")
@@ -245,6 +263,8 @@ class Config:
         if self.weight_quantization != "none" and self.dtype != "bfloat16":
             raise ConfigError("weight-only quantisation runs with bfloat16 activations: add --dtype bfloat16")
         self.speculative_settings()  # raises on a bad one
+        if self.stream_interval < 1:
+            raise ConfigError("stream_interval must be at least 1")
         if min(self.block_size, self.max_num_seqs, self.max_num_batched_tokens, self.max_num_prefills) <= 0:
             raise ConfigError("block_size, max_num_seqs, max_num_batched_tokens and max_num_prefills must be positive")
         sizes = (self.max_request_bytes, self.max_header_bytes, self.max_response_bytes)
@@ -314,6 +334,10 @@ class Config:
             raise ConfigError("replicas, min_replicas and max_replicas must be at least 1, min <= max")
         if self.target_ongoing_requests is not None and self.target_ongoing_requests <= 0:
             raise ConfigError("target_ongoing_requests must be positive")
+        if self.simulate_engine and not self.on_ray:
+            raise ConfigError("simulate_engine stands in for engine replicas: add replicas (--replicas N)")
+        if self.ingress_replicas < 1 or self.ingress_replicas > (self.max_ingress_replicas or self.ingress_replicas):
+            raise ConfigError("ingress_replicas must be at least 1 and at most max_ingress_replicas")
 
     def _check_lora(self) -> None:
         if self.max_loras < 1 or self.max_lora_rank < 1:
@@ -344,7 +368,13 @@ class Config:
     @property
     def on_ray(self) -> bool:
         """Served by replicas on Ray Serve (cluster/) rather than by this process alone."""
-        return self.replicas is not None or self.max_replicas is not None or self.ray_address is not None
+        return (
+            self.replicas is not None
+            or self.max_replicas is not None
+            or self.ray_address is not None
+            or self.ingress_replicas > 1
+            or self.max_ingress_replicas is not None
+        )
 
     @property
     def model_path(self) -> str | None:

@@ -13,7 +13,7 @@ from tests.api.fake_engine import FakeEngine
 from tokenmill.api.app import create_app
 from tokenmill.api.engine_protocol import Engine
 from tokenmill.api.errors import APIError
-from tokenmill.api.rate_limit import REQUESTS, TOKENS, Limit, RateLimiter
+from tokenmill.api.rate_limit import REQUESTS, TOKENS, Limit, LocalLimits, RateLimiter
 from tokenmill.api.record import pseudonym
 from tokenmill.config import Config, parse_rate
 
@@ -56,7 +56,8 @@ def refused(call: Callable[..., object], *args: object) -> APIError:
 def limited_app(config: Config, clock: FakeClock, engine: Engine | None = None) -> FastAPI:
     """create_app(engine, config) with its rate limiter on `clock`."""
     app = create_app(engine if engine is not None else FakeEngine(), config)
-    app.state.rate_limiter = RateLimiter.from_config(config, clock)
+    rates = RateLimiter.from_config(config, clock)
+    app.state.rate_limits = LocalLimits(rates) if rates is not None else None
     return app
 
 

@@ -3,10 +3,23 @@ values, bounded memory; and the per-user usage rows /metrics reads."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from tests.api.rate_limit_helpers import KEY, FakeClock, limiter, refused
-from tokenmill.api.rate_limit import OTHER, REQUESTS, TOKENS, Limit, Quota, RateLimiter, UserUsage, duration
+from tokenmill.api.errors import APIError
+from tokenmill.api.rate_limit import (
+    OTHER,
+    REQUESTS,
+    TOKENS,
+    Limit,
+    LocalLimits,
+    Quota,
+    RateLimiter,
+    UserUsage,
+    duration,
+)
 from tokenmill.api.record import pseudonym
 from tokenmill.config import Config, parse_rate
 
@@ -127,17 +140,39 @@ def test_a_request_larger_than_the_limit_is_refused_without_a_retry_after() -> N
 def test_a_quota_refunds_the_unused_tokens_once_and_a_cancelled_request_entirely() -> None:
     clock = FakeClock()
     rates = limiter(clock, requests="5/min", tokens="1000/min")
-    quota = Quota(rates, KEY)
-    quota.acquire(300)
-    quota.finish(120)
-    quota.finish(0)  # settled already: no second refund
+
+    async def run() -> None:
+        quota = Quota(LocalLimits(rates), KEY)
+        await quota.acquire(300)
+        await quota.finish(120)
+        await quota.finish(0)  # settled already: no second refund
+        assert (await quota.headers())["x-ratelimit-remaining-tokens"] == "880"
+        cancelled = Quota(LocalLimits(rates), KEY)
+        await cancelled.acquire(400)
+        await cancelled.cancel()
+
+    asyncio.run(run())
     assert rates.headers(KEY, None)["x-ratelimit-remaining-tokens"] == "880"
     assert rates.headers(KEY, None)["x-ratelimit-remaining-requests"] == "4"
-    cancelled = Quota(rates, KEY)
-    cancelled.acquire(400)
-    cancelled.cancel()
-    assert rates.headers(KEY, None)["x-ratelimit-remaining-tokens"] == "880"
-    assert rates.headers(KEY, None)["x-ratelimit-remaining-requests"] == "4"
+
+
+def test_a_quota_keeps_the_headers_of_its_last_answer_and_a_refusal_carries_them() -> None:
+    clock = FakeClock()
+    rates = limiter(clock, requests="2/min")
+
+    async def run() -> tuple[dict[str, str], APIError]:
+        first = Quota(LocalLimits(rates), KEY)
+        await first.acquire(0)
+        seen = await first.headers()
+        await Quota(LocalLimits(rates), KEY).acquire(0)
+        with pytest.raises(APIError) as caught:
+            await Quota(LocalLimits(rates), KEY).check()
+        return seen, caught.value
+
+    seen, refusal = asyncio.run(run())
+    assert seen["x-ratelimit-remaining-requests"] == "1"
+    assert refusal.headers is not None and refusal.headers["x-ratelimit-remaining-requests"] == "0"
+    assert refusal.headers["Retry-After"] == "30"
 
 
 def test_a_refund_never_fills_a_bucket_past_its_capacity() -> None:
@@ -150,11 +185,14 @@ def test_a_refund_never_fills_a_bucket_past_its_capacity() -> None:
 
 
 def test_quota_without_limits_does_nothing() -> None:
-    quota = Quota(None, KEY)
-    quota.check()
-    quota.acquire(10**9)
-    quota.finish(0)
-    assert quota.headers() == {}
+    async def run() -> dict[str, str]:
+        quota = Quota(None, KEY)
+        await quota.check()
+        await quota.acquire(10**9)
+        await quota.finish(0)
+        return await quota.headers()
+
+    assert asyncio.run(run()) == {}
 
 
 def test_full_buckets_are_dropped_so_memory_follows_the_active_users() -> None:

@@ -10,7 +10,15 @@ from typing import Any
 import pytest
 from ray.serve.deployment import Application
 
-from tokenmill.cluster.app import ROUTER, build_app, engine_name, from_args, replica_threads, target_replicas
+from tokenmill.cluster.app import (
+    INGRESS_TARGET_ONGOING,
+    ROUTER,
+    build_app,
+    engine_name,
+    from_args,
+    replica_threads,
+    target_replicas,
+)
 from tokenmill.config import Config, ConfigError
 
 
@@ -18,7 +26,7 @@ def deployments(config: Config | Application) -> tuple[Any, list[Any]]:
     """The ingress deployment and the engine deployments it is bound to."""
     app = build_app(config) if isinstance(config, Config) else config
     ingress = app._bound_deployment
-    return ingress, [arg._bound_deployment for arg in ingress.init_args[1:]]
+    return ingress, [arg._bound_deployment for arg in ingress.init_args[2:]]
 
 
 def test_replicas_of_one_model_behind_one_ingress() -> None:
@@ -29,6 +37,22 @@ def test_replicas_of_one_model_behind_one_ingress() -> None:
     assert router.request_router_class == ROUTER
     assert router.request_router_kwargs == {"block_size": 16, "affinity": True}
     assert engine.init_args[0].threads == 1  # the replica's own config pins its threads
+
+
+def test_every_ingress_shares_one_ledger_and_ingresses_scale_like_engines() -> None:
+    app = build_app(Config(replicas=2, ingress_replicas=3, threads=1))
+    ingress = app._bound_deployment
+    ledger = ingress.init_args[1]._bound_deployment
+    assert (ingress.num_replicas, ledger.name, ledger.num_replicas, ledger.ray_actor_options["num_cpus"]) == (
+        3,
+        "ledger",
+        1,
+        0,
+    )
+    scaled, _ = deployments(Config(replicas=2, ingress_replicas=2, max_ingress_replicas=6, threads=1))
+    scaling = scaled._deployment_config.autoscaling_config
+    assert (scaling.min_replicas, scaling.max_replicas) == (2, 6)
+    assert scaling.target_ongoing_requests == INGRESS_TARGET_ONGOING
 
 
 def test_every_model_gets_its_own_deployment() -> None:
@@ -57,7 +81,14 @@ def test_each_replica_gets_its_share_of_the_cores() -> None:
 
 @pytest.mark.parametrize(
     "settings",
-    [{"replicas": 0}, {"min_replicas": 2}, {"target_ongoing_requests": 2.0}, {"min_replicas": 3, "max_replicas": 2}],
+    [
+        {"replicas": 0},
+        {"min_replicas": 2},
+        {"target_ongoing_requests": 2.0},
+        {"min_replicas": 3, "max_replicas": 2},
+        {"ingress_replicas": 0},
+        {"ingress_replicas": 3, "max_ingress_replicas": 2},
+    ],
 )
 def test_bad_replica_settings_fail_at_start(settings: dict[str, Any]) -> None:
     with pytest.raises(ConfigError):
@@ -67,6 +98,7 @@ def test_bad_replica_settings_fail_at_start(settings: dict[str, Any]) -> None:
 def test_ray_is_wanted_only_when_asked_for() -> None:
     assert not Config().on_ray
     assert Config(replicas=1).on_ray and Config(max_replicas=2).on_ray and Config(ray_address="auto").on_ray
+    assert Config(ingress_replicas=2).on_ray and Config(max_ingress_replicas=2).on_ray
 
 
 def test_the_single_process_server_never_imports_ray() -> None:

@@ -75,10 +75,15 @@ def _other_value(field: dataclasses.Field[Any]) -> Any:
     if field.name == "speculative_config":  # the same tokens with drafts as without
         return '{"method": "ngram"}'
     counts = ("max_model_len", "num_kv_blocks", "threads", "replicas", "min_replicas", "max_replicas")
+    counts += ("max_ingress_replicas",)
     return 7 if field.name in (*counts, "target_ongoing_requests", "kv_cache_ram_gb") else "/elsewhere/model.gguf"
 
 
-COMPANIONS = {"min_replicas": {"max_replicas": 8}, "target_ongoing_requests": {"max_replicas": 8}}  # valid only so
+COMPANIONS = {  # valid only so
+    "min_replicas": {"max_replicas": 8},
+    "target_ongoing_requests": {"max_replicas": 8},
+    "simulate_engine": {"replicas": 2},
+}
 
 
 @pytest.mark.parametrize(

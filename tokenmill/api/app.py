@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from prometheus_client.registry import Collector
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
@@ -43,7 +44,7 @@ from tokenmill.api.guard import RequestGuard
 from tokenmill.api.limits import RequestLimits, TextBound, check_text_length
 from tokenmill.api.metrics import Metrics
 from tokenmill.api.protocol import CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_request
-from tokenmill.api.rate_limit import ANONYMOUS, Quota, RateLimiter, UserUsage
+from tokenmill.api.rate_limit import ANONYMOUS, LimitStore, Quota, UsageBook, UserUsage, local_limits
 from tokenmill.api.record import pseudonym
 from tokenmill.api.sse import SSEResponse
 from tokenmill.config import Config
@@ -60,7 +61,19 @@ T = TypeVar("T")
 router = APIRouter()
 
 
-def create_app(engines: Engine | Sequence[Engine], config: Config) -> FastAPI:
+@dataclasses.dataclass
+class SharedBooks:
+    """What several ingress processes of one deployment keep in common (cluster/ledger.py); one process keeps its
+    own. `refresh` runs before /metrics answers; `run` for the app's lifetime (it sends what this process counted)."""
+
+    limits: LimitStore | None
+    usage: UsageBook
+    counts: Collector  # every process's counters and histograms, shown in /metrics in place of this one's
+    refresh: Callable[[], Awaitable[None]]
+    run: Callable[[], Awaitable[None]]
+
+
+def create_app(engines: Engine | Sequence[Engine], config: Config, books: SharedBooks | None = None) -> FastAPI:
     app = FastAPI(title="tokenmill", summary="OpenAI-compatible text completions", lifespan=_lifespan)
     served = list(engines) if isinstance(engines, Sequence) else [engines]
     app.state.engines = {engine.model_name: engine for engine in served}  # in the order given: the first is the default
@@ -75,9 +88,13 @@ def create_app(engines: Engine | Sequence[Engine], config: Config) -> FastAPI:
     app.state.admission = Admission.from_config(config)
     app.state.limits = RequestLimits.from_config(config)
     app.state.content_filter = ContentFilter.from_file(config.content_filter) if config.content_filter else None
-    app.state.rate_limiter = RateLimiter.from_config(config)  # None: no limits; tests swap in one on a fake clock
-    app.state.user_usage = UserUsage()
+    app.state.books = books
+    # where the rate limits' buckets live (None: no limits); tests swap in one on a fake clock
+    app.state.rate_limits = books.limits if books is not None else local_limits(config)
+    app.state.user_usage = books.usage if books is not None else UserUsage()  # the per-user rows /metrics shows
     app.state.metrics = Metrics(app.state.engines, app.state.user_usage)
+    if books is not None:
+        app.state.metrics.show_counts(books.counts)
     for name, engine in app.state.engines.items():
         engine.add_step_observer(app.state.metrics.step_observer(name))
     app.include_router(router)
@@ -102,8 +119,11 @@ def create_app(engines: Engine | Sequence[Engine], config: Config) -> FastAPI:
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-    """Start each engine's step loop with the server (unless it already runs) and stop what we started."""
+    """Start each engine's step loop with the server (unless it already runs) and stop what we started; the shared
+    books' task runs meanwhile."""
     started = []
+    books: SharedBooks | None = app.state.books
+    keeping = asyncio.ensure_future(books.run()) if books is not None else None
     try:
         for engine in app.state.engines.values():
             if not engine.is_healthy():
@@ -111,6 +131,9 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
                 started.append(engine)
         yield
     finally:
+        if keeping is not None:
+            keeping.cancel()
+            await asyncio.gather(keeping, return_exceptions=True)
         await _stop(started)
 
 
@@ -178,8 +201,8 @@ def _admission(request: Request) -> Admission:
     return admission
 
 
-def _user_usage(request: Request) -> UserUsage:
-    usage: UserUsage = request.app.state.user_usage
+def _user_usage(request: Request) -> UsageBook:
+    usage: UsageBook = request.app.state.user_usage
     return usage
 
 
@@ -193,13 +216,13 @@ async def create_completion(request: Request) -> Response:
     """With rate limits on, every answer carries their x-ratelimit-* headers, errors included (a stream's go out with
     its start)."""
     arrived = time.monotonic()
-    quota = Quota(request.app.state.rate_limiter, getattr(request.state, "api_key_hash", ANONYMOUS))
+    quota = Quota(request.app.state.rate_limits, getattr(request.state, "api_key_hash", ANONYMOUS))
     try:
         response = await _complete(request, quota, arrived)
     except APIError as exc:
-        exc.headers = {**quota.headers(), **(exc.headers or {})}
+        exc.headers = {**(await quota.headers()), **(exc.headers or {})}
         raise
-    response.headers.update(quota.headers())
+    response.headers.update(await quota.headers())
     return response
 
 
@@ -212,11 +235,11 @@ async def _complete(request: Request, quota: Quota, arrived: float) -> Response:
     if body.lora is not None:
         adapter = _chosen_by_list(engine, adapter, body.lora)
     admission.check_open(engine.is_healthy())
-    quota.check()  # out of requests: refused before its prompts are tokenised
+    await quota.check()  # out of requests: refused before its prompts are tokenised
     state = request.app.state
     limits: RequestLimits = state.limits
     least = limits.check_unprepared(body, await _text_bound(limits, engine), engine.max_model_len)
-    quota.prepay(least)  # tokenising is paid for, even when what it finds refuses the request
+    await quota.prepay(least)  # tokenising is paid for, even when what it finds refuses the request
     await prepare_guides(body, engine)
     bos = state.config.add_bos_to_token_prompts
 
@@ -233,11 +256,11 @@ async def _complete(request: Request, quota: Quota, arrived: float) -> Response:
         )
 
     completion = await asyncio.to_thread(prepared)  # tokenising and the grammar's check, off the event loop
-    quota.acquire(completion.token_budget)
+    await quota.acquire(completion.token_budget)
     try:
         ticket = admission.admit([len(p.token_ids) for p in completion.prompts])
     except APIError:
-        quota.cancel()  # refused for the server's load, not for anything the client did: it costs nothing
+        await quota.cancel()  # refused for the server's load, not for anything the client did: it costs nothing
         raise
     completion.admitted_at = time.monotonic()
     completion.on_started = ticket.started
@@ -250,7 +273,7 @@ async def _complete(request: Request, quota: Quota, arrived: float) -> Response:
         attempts.append(retry)
         return retry
 
-    def finish() -> None:
+    async def finish() -> None:
         """However it ended: free its admission and refund its unused tokens, then tell the metrics, the access log
         and the per-user usage what it did (the last attempt's: a lost attempt costs the client nothing)."""
         for attempt in attempts:
@@ -258,19 +281,19 @@ async def _complete(request: Request, quota: Quota, arrived: float) -> Response:
         completion = attempts[-1]
         ticket.close()
         used = completion.usage()["total_tokens"]
-        quota.finish(used)
         if body.user is not None:
             _user_usage(request).record(body.user, used)
         record = completion.record(with_text=state.config.log_prompts)
         note_completion(request.scope, record)
         _metrics(request).completion(record)
+        await quota.finish(used)  # last: a response's headers are what it leaves
 
     if body.stream:
         return SSEResponse(completion.frames(), on_close=finish)
     try:
         result = await _cancel_on_disconnect(request, _response(completion, again))
     finally:
-        finish()
+        await finish()
     if result is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     if attempts[-1].echoes_prompt:  # up to --max-response-bytes: written a choice at a time, on a worker thread
@@ -362,6 +385,9 @@ async def _refresh(engines: Iterable[Engine]) -> None:
 async def metrics(request: Request) -> Response:
     """Prometheus metrics (api/metrics.py): text format, or OpenMetrics when the scraper asks for it."""
     await _refresh(_engines(request).values())
+    books: SharedBooks | None = request.app.state.books
+    if books is not None:
+        await books.refresh()
     body, content_type = _metrics(request).exposition(request.headers.get("accept"))
     return Response(body, media_type=content_type)
 

@@ -18,9 +18,10 @@ from collections.abc import Callable, Iterable, Mapping
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
 
 from tokenmill.api.engine_protocol import Engine
-from tokenmill.api.rate_limit import UserUsage
+from tokenmill.api.rate_limit import UsageBook
 from tokenmill.api.record import CompletionRecord
 from tokenmill.engine.outputs import StepReport
 
@@ -38,8 +39,11 @@ STEP_TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 class Metrics:
-    def __init__(self, engines: Mapping[str, Engine], user_usage: UserUsage | None = None) -> None:
-        self.registry = CollectorRegistry()
+    def __init__(self, engines: Mapping[str, Engine], user_usage: UsageBook | None = None) -> None:
+        self.counted = CollectorRegistry()  # the counters and histograms this process adds to
+        self.registry = CollectorRegistry()  # what /metrics shows: those, then what is read at scrape time
+        self._counts: Collector = RegistryView(self.counted)
+        self.registry.register(self._counts)
         self._define_http()
         self._define_completions()
         self._define_engine()
@@ -54,8 +58,15 @@ class Metrics:
         for reason in RATE_LIMIT_REASONS:
             self.rate_limited.labels(reason)
 
+    def show_counts(self, counts: Collector) -> None:
+        """Show `counts` in place of this process's own counters and histograms: behind several ingress processes,
+        the totals of all of them (cluster/ledger.py)."""
+        self.registry.unregister(self._counts)
+        self._counts = counts
+        self.registry.register(counts)
+
     def _define_http(self) -> None:
-        r = self.registry
+        r = self.counted
         self.requests = Counter(
             "tokenmill_http_requests",
             "HTTP requests answered, by route template and status",
@@ -73,7 +84,7 @@ class Metrics:
         )
 
     def _define_completions(self) -> None:
-        r, model = self.registry, ["model"]
+        r, model = self.counted, ["model"]
         self.prompt_tokens = Counter("tokenmill_prompt_tokens", "Prompt tokens the engine took in", model, registry=r)
         self.completion_tokens = Counter("tokenmill_completion_tokens", "Tokens generated", model, registry=r)
         self.cached_tokens = Counter(
@@ -112,7 +123,7 @@ class Metrics:
         )
 
     def _define_engine(self) -> None:
-        r, model = self.registry, ["model"]
+        r, model = self.counted, ["model"]
         self.step_time = Histogram(
             "tokenmill_engine_step_seconds", "Engine steps that ran a batch", model, registry=r, buckets=STEP_BUCKETS
         )
@@ -174,6 +185,16 @@ class Metrics:
         """The scrape's body and content type (Prometheus text, or OpenMetrics when the scraper asks for it)."""
         encode, content_type = choose_encoder(accept or "")
         return encode(self.registry), content_type
+
+
+class RegistryView:
+    """Another registry's metrics, as a collector of this one."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.source = registry
+
+    def collect(self) -> Iterable[Metric]:
+        return self.source.collect()
 
 
 class EngineStatsCollector:
@@ -262,7 +283,7 @@ class UserUsageCollector:
     and `other` for the rest (rate_limit.UserUsage), so a client cannot grow the series count. Gauges, not counters:
     a user rising into the top moves its count out of `other`."""
 
-    def __init__(self, usage: UserUsage) -> None:
+    def __init__(self, usage: UsageBook) -> None:
         self.usage = usage
 
     def describe(self) -> Iterable[Metric]:

@@ -17,14 +17,18 @@ or a 429 before the prepayment, costs nothing.
 
 Keys and user names are held only as hashes. A bucket that is full again is the same as no bucket, so full ones are
 dropped and memory follows the users active within one period. Everything runs on the event loop: no locks.
+
+Where the buckets live is a LimitStore: this process's RateLimiter (LocalLimits), or, behind several ingress replicas,
+one store that all of them call (cluster/ledger.py), so a key's limit is the same whichever ingress a request reaches.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from tokenmill.api import errors
 from tokenmill.api.record import pseudonym
@@ -37,6 +41,7 @@ SWEEP_INTERVAL_S = 1.0  # how often full buckets are looked for and dropped
 EPSILON = 1e-9  # a refill of whole tokens can land a hair below the integer it should reach
 
 Clock = Callable[[], float]
+Headers = dict[str, str]
 
 
 @dataclass(frozen=True)
@@ -223,52 +228,117 @@ def duration(seconds: float) -> str:
     return f"{minutes}m{secs}" if minutes else secs
 
 
-class Quota:
-    """One completion's dealings with the limiter (None: limits are off): who asks, and what it was charged."""
+class LimitStore(Protocol):
+    """Where a server's buckets live. Each call answers with the x-ratelimit-* headers as they stand after it; a
+    refusal raises the 429, its headers carrying them too."""
 
-    def __init__(self, limiter: RateLimiter | None, key: str) -> None:
+    async def check(self, key: str, user: str | None) -> Headers: ...
+
+    async def acquire(
+        self, key: str, user: str | None, tokens: int, requests: int = 1, whole: int | None = None
+    ) -> Headers: ...
+
+    async def refund(self, key: str, user: str | None, requests: int, tokens: int) -> Headers: ...
+
+    async def headers(self, key: str, user: str | None) -> Headers: ...
+
+
+class LocalLimits:
+    """The LimitStore of one process: its RateLimiter, called in place."""
+
+    def __init__(self, limiter: RateLimiter) -> None:
         self.limiter = limiter
+
+    async def check(self, key: str, user: str | None) -> Headers:
+        return answered(self.limiter, self.limiter.check, key, user)
+
+    async def acquire(
+        self, key: str, user: str | None, tokens: int, requests: int = 1, whole: int | None = None
+    ) -> Headers:
+        return answered(self.limiter, self.limiter.acquire, key, user, tokens, requests, whole)
+
+    async def refund(self, key: str, user: str | None, requests: int, tokens: int) -> Headers:
+        return answered(self.limiter, self.limiter.refund, key, user, requests, tokens)
+
+    async def headers(self, key: str, user: str | None) -> Headers:
+        return self.limiter.headers(key, user)
+
+
+def answered(limiter: RateLimiter, call: Callable[..., None], key: str, user: str | None, *args: object) -> Headers:
+    """`call(key, user, *args)`, then the headers after it; a 429 it raises carries them."""
+    try:
+        call(key, user, *args)
+    except errors.APIError as exc:
+        exc.headers = {**limiter.headers(key, user), **(exc.headers or {})}
+        raise
+    return limiter.headers(key, user)
+
+
+def local_limits(config: Config, clock: Clock = time.monotonic) -> LocalLimits | None:
+    """This process's store for the limits `config` sets; None when it sets none."""
+    limiter = RateLimiter.from_config(config, clock)
+    return LocalLimits(limiter) if limiter is not None else None
+
+
+class Quota:
+    """One completion's dealings with the limits (store None: limits are off): who asks, and what it was charged."""
+
+    def __init__(self, store: LimitStore | None, key: str) -> None:
+        self.store = store
         self.key = key
         self.user: str | None = None  # the request's `user`, once its body is read
         self._charged: int | None = None  # tokens charged, until settled
+        self._headers: Headers | None = None  # as of the last answer from the store
 
-    def check(self) -> None:
-        if self.limiter is not None:
-            self.limiter.check(self.key, self.user)
+    async def check(self) -> None:
+        if self.store is not None:
+            await self._answer(self.store.check(self.key, self.user))
 
-    def prepay(self, tokens: int) -> None:
+    async def prepay(self, tokens: int) -> None:
         """Before its prompts are tokenised: charge the request and `tokens`, the fewest its prompts can be (429,
         charging nothing, if they do not fit). Whatever refuses the request after this, the charge stays."""
-        self.acquire(tokens)
+        await self.acquire(tokens)
 
-    def acquire(self, tokens: int) -> None:
+    async def acquire(self, tokens: int) -> None:
         """Its whole token budget, `tokens`: charged, or what is left of it once prepaid (429 if that does not fit;
         what was prepaid stays charged)."""
-        if self.limiter is None:
+        if self.store is None:
             return
         if self._charged is None:
-            self.limiter.acquire(self.key, self.user, tokens)
+            await self._answer(self.store.acquire(self.key, self.user, tokens))
         elif tokens > self._charged:
-            self.limiter.acquire(self.key, self.user, tokens - self._charged, requests=0, whole=tokens)
+            await self._answer(self.store.acquire(self.key, self.user, tokens - self._charged, 0, tokens))
         elif tokens < self._charged:
-            self.limiter.refund(self.key, self.user, 0, self._charged - tokens)
+            await self._answer(self.store.refund(self.key, self.user, 0, self._charged - tokens))
         self._charged = tokens
 
-    def cancel(self) -> None:
+    async def cancel(self) -> None:
         """The request never ran (the server refused it): it costs nothing."""
-        self._settle(1, self._charged or 0)
+        await self._settle(1, self._charged or 0)
 
-    def finish(self, used_tokens: int) -> None:
+    async def finish(self, used_tokens: int) -> None:
         """The request ran and used `used_tokens`: the rest of its charge comes back."""
-        self._settle(0, max((self._charged or 0) - used_tokens, 0))
+        await self._settle(0, max((self._charged or 0) - used_tokens, 0))
 
-    def headers(self) -> dict[str, str]:
-        return self.limiter.headers(self.key, self.user) if self.limiter is not None else {}
+    async def headers(self) -> Headers:
+        """The x-ratelimit-* headers as of the last charge or refund (asked for, if there was none yet)."""
+        if self.store is None:
+            return {}
+        if self._headers is None:
+            self._headers = await self.store.headers(self.key, self.user)
+        return self._headers
 
-    def _settle(self, requests: int, tokens: int) -> None:
-        if self.limiter is not None and self._charged is not None:
-            self.limiter.refund(self.key, self.user, requests, tokens)
-        self._charged = None
+    async def _answer(self, call: Awaitable[Headers]) -> None:
+        try:
+            self._headers = await call
+        except errors.APIError as exc:
+            self._headers = {name: value for name, value in (exc.headers or {}).items() if name.startswith("x-")}
+            raise
+
+    async def _settle(self, requests: int, tokens: int) -> None:
+        charged, self._charged = self._charged, None
+        if self.store is not None and charged is not None:
+            await self._answer(self.store.refund(self.key, self.user, requests, tokens))
 
 
 # --- usage per user, for /metrics -----------------------------------------------------------------------------------
@@ -277,6 +347,14 @@ class UsageRow:
     user: str  # pseudonym(name), or OTHER
     requests: int
     tokens: int
+
+
+class UsageBook(Protocol):
+    """Where finished requests are counted per user: this process's UserUsage, or every ingress's (cluster/)."""
+
+    def record(self, user: str, tokens: int) -> None: ...
+
+    def rows(self) -> list[UsageRow]: ...
 
 
 class UserUsage:

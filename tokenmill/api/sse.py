@@ -7,7 +7,7 @@ its body iterator, so the engine requests behind it are aborted and their KV blo
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -34,7 +34,7 @@ def error_frame(error: APIError) -> str:
 
 
 class SSEResponse(StreamingResponse):
-    def __init__(self, frames: AsyncIterator[str], on_close: Callable[[], None] | None = None) -> None:
+    def __init__(self, frames: AsyncIterator[str], on_close: Callable[[], Awaitable[None]] | None = None) -> None:
         super().__init__(frames, media_type="text/event-stream", headers=HEADERS)
         self._frames = frames
         self._on_close = on_close  # runs once the stream is over, however it ended
@@ -61,4 +61,5 @@ class SSEResponse(StreamingResponse):
                         await aclose()
             finally:
                 if self._on_close is not None:
-                    self._on_close()
+                    with anyio.CancelScope(shield=True):  # settles what the request was charged, even on shutdown
+                        await self._on_close()

@@ -57,7 +57,7 @@ def _init_ray(config: Config) -> bool:
         return False
     cores = os.cpu_count() or 1
     threads = replica_threads(config, cores)
-    wanted = threads * most_replicas(config) * len(config.per_model())
+    wanted = 0 if config.simulate_engine else threads * most_replicas(config) * len(config.per_model())
     if wanted > cores:
         log.warning("%d replica threads on %d cores: the replicas will share cores and slow each other", wanted, cores)
     ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=max(cores, wanted))

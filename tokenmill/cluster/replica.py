@@ -26,6 +26,7 @@ from tokenmill.api.logs import configure_logging
 from tokenmill.cluster.router import HELD_BLOCKS
 from tokenmill.config import Config
 from tokenmill.engine.core import EngineStats
+from tokenmill.engine.engine import AsyncEngine
 from tokenmill.engine.outputs import EngineDescription, RequestOutput, StepReport
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.server.freeze import freeze_loaded_objects
@@ -86,11 +87,15 @@ class EngineReplica:
     async def __init__(self, config: Config) -> None:  # type: ignore[misc]  # Ray Serve awaits an async constructor
         configure_logging(config.log_level, config.log_format)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.engine = load_engine(config)
-        freeze_loaded_objects()  # no full collection walks the loaded model's objects again
+        self.engine = self.load(config)
         self.steps = StepLog()
         self.engine.add_step_observer(self.steps.observe)
         await self.engine.start()
+
+    def load(self, config: Config) -> AsyncEngine:
+        engine = load_engine(config)
+        freeze_loaded_objects()  # no full collection walks the loaded model's objects again
+        return engine
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams

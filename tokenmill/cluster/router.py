@@ -75,7 +75,7 @@ class PrefixAffinityRouter(RequestRouter):
         """The replicas under the load bound that hold some of the prompt's leading blocks, the most first (then the
         least loaded); [] where none has reported holding any."""
         ids = _prompt_ids(pending)
-        keys = _block_keys(ids, _cache_salt(pending), self.block_size)
+        keys = block_keys(ids, _cache_salt(pending), self.block_size)
         if not keys:
             return []
         bound = load_bound(sum(loads.values()), len(by_id), self.load_factor)
@@ -96,10 +96,13 @@ class PrefixAffinityRouter(RequestRouter):
         return 0 if known is None else int(known)
 
 
-def _block_keys(ids: Sequence[int], salt: str | None, block_size: int) -> list[int]:
+def block_keys(
+    ids: Sequence[int], salt: str | None, block_size: int, limit: int | None = MAX_PROMPT_BLOCKS
+) -> list[int]:
     """The first 8 bytes of the prefix-cache key of each whole block before the prompt's last token (the engine
-    always computes that one), as an int, up to MAX_PROMPT_BLOCKS."""
-    count = min((len(ids) - 1) // block_size, MAX_PROMPT_BLOCKS) if block_size > 0 else 0
+    always computes that one), as an int, up to `limit` (None: all)."""
+    count = (len(ids) - 1) // block_size if block_size > 0 else 0
+    count = count if limit is None else min(count, limit)
     chain = PrefixHashes(salt)
     return [int.from_bytes(chain.block(i, ids, block_size)[:8], "little") for i in range(count)]
 

@@ -19,7 +19,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from tokenmill.engine.core import EngineCore, EngineStats
-from tokenmill.engine.outputs import AdapterInfo, AdapterLoadError, EngineDescription, RequestOutput, StepReport
+from tokenmill.engine.outputs import (
+    AdapterInfo,
+    AdapterLoadError,
+    EngineDescription,
+    RequestOutput,
+    StepReport,
+    merged,
+    new_tokens,
+)
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.tokenizer import Tokenizer
 
@@ -40,11 +48,15 @@ class Outputs:
     before then (aclose or close, or dropping it: a stream whose client left before it started reading) aborts the
     request, as does a cancellation while it waits for the next output."""
 
-    def __init__(self, queue: asyncio.Queue[RequestOutput], request_id: str, engine: AsyncEngine | None) -> None:
+    def __init__(
+        self, queue: asyncio.Queue[RequestOutput], request_id: str, engine: AsyncEngine | None, chunk_tokens: int = 1
+    ) -> None:
         self._queue = queue
         self._request_id = request_id
         self._engine = engine  # None: nothing to abort (the engine had stopped)
         self._done = False  # the finished output was read, or it was closed
+        self._chunk_tokens = chunk_tokens  # --stream-interval: after the first output, each carries this many tokens
+        self._first = True
 
     @classmethod
     def ended(cls, output: RequestOutput) -> Outputs:
@@ -56,8 +68,18 @@ class Outputs:
         return self
 
     async def __anext__(self) -> RequestOutput:
+        """The next output; with --stream-interval N, after the first, the next N steps' outputs as one (the end and
+        an error at once)."""
         if self._done:
             raise StopAsyncIteration
+        out = await self._next()
+        if self._chunk_tokens > 1:
+            while not (self._first or self._done or out.error is not None or new_tokens(out) >= self._chunk_tokens):
+                out = merged(out, await self._next())
+        self._first = False
+        return out
+
+    async def _next(self) -> RequestOutput:
         try:
             out = await self._queue.get()
         except BaseException:  # cancelled while waiting: nobody will read the rest
@@ -91,8 +113,10 @@ class AsyncEngine:
         system_fingerprint: str,
         executor: ThreadPoolExecutor | None = None,
         description: EngineDescription | None = None,
+        stream_interval: int = 1,
     ) -> None:
         self.core = core
+        self.stream_interval = stream_interval  # tokens a request's outputs carry each, after its first
         self.description = description  # dtype, quantisation, KV capacity, kernels: for the start-up banner
         self.tokenizer: Tokenizer = core.tokenizer
         self.model_name = model_name
@@ -198,7 +222,7 @@ class AsyncEngine:
         with self._lock:
             self._adds.append((request_id, list(prompt_token_ids), params))
         self._wake()
-        return Outputs(queue, request_id, self)
+        return Outputs(queue, request_id, self, self.stream_interval)
 
     async def abort(self, request_id: str) -> None:
         self._abort(request_id)

@@ -56,6 +56,46 @@ class RequestOutput:
     grammar_failed: bool = False
 
 
+def merged(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two successive outputs of one request as one (a chunk of --stream-interval): each sequence's text, tokens and
+    logprobs joined; its finish and totals the later one's; the prompt's cache and logprobs the earlier one's."""
+    deltas = {delta.index: delta for delta in first.deltas}
+    for later in then.deltas:
+        earlier = deltas.get(later.index)
+        if earlier is None:
+            deltas[later.index] = later
+            continue
+        logprobs = None
+        if earlier.logprobs is not None or later.logprobs is not None:
+            logprobs = (earlier.logprobs or []) + (later.logprobs or [])
+        deltas[later.index] = SequenceDelta(
+            later.index,
+            earlier.text + later.text,
+            earlier.token_ids + later.token_ids,
+            logprobs,
+            later.finish_reason,
+            later.cumulative_logprob,
+            later.num_tokens,
+            later.stop_reason,
+        )
+    return RequestOutput(
+        then.request_id,
+        sorted(deltas.values(), key=lambda delta: delta.index),
+        first.prompt_token_ids,
+        first.num_cached_tokens,
+        first.prompt_logprobs,
+        then.finished,
+        then.error,
+        then.lost,
+        then.grammar_failed,
+    )
+
+
+def new_tokens(output: RequestOutput) -> int:
+    """The most tokens any one sequence gained in this output."""
+    return max((len(delta.token_ids) for delta in output.deltas), default=0)
+
+
 @dataclass(frozen=True)
 class StepReport:
     """One engine step that ran a batch, told to the step observers (metrics) on the engine thread."""

@@ -20,6 +20,7 @@ from tokenmill.model.lora import AdapterError, base_state_dict
 from tokenmill.server.description import describe
 from tokenmill.server.engine_core import build_engine_core
 from tokenmill.server.fingerprint import system_fingerprint
+from tokenmill.tokenizer import Tokenizer
 
 
 class ModelLoadError(Exception):
@@ -43,7 +44,14 @@ def load_engine(config: Config) -> AsyncEngine:
     """
     executor = engine_thread()
     loaded = executor.submit(load_engine_core, config).result()
-    return AsyncEngine(loaded.core, loaded.model_name, loaded.system_fingerprint, executor, loaded.description)
+    return AsyncEngine(
+        loaded.core,
+        loaded.model_name,
+        loaded.system_fingerprint,
+        executor,
+        loaded.description,
+        config.stream_interval,
+    )
 
 
 def load_engine_core(config: Config) -> LoadedEngine:
@@ -81,3 +89,17 @@ def load_engine_core(config: Config) -> LoadedEngine:
         save_prepared(base_state_dict(model), loaded.cache_entry, dtype, quantization)
     release_freed_memory()
     return LoadedEngine(core, name, fingerprint, describe(core, config))
+
+
+def load_tokenizer(config: Config) -> Tokenizer:
+    """The model's tokenizer alone, its weights never read (a simulated engine replica's: cluster/simulated.py)."""
+    from tokenmill.model.loading.gguf_file import read_gguf_file
+    from tokenmill.model.loading.identity import cache_root
+    from tokenmill.model.loading.loader import is_gguf, packaged_gguf
+
+    path = config.model_path
+    if path is None:  # the packaged model's file
+        path = str(packaged_gguf(cache_root(config.cache_dir)))
+    if is_gguf(path):
+        return Tokenizer.from_gguf(read_gguf_file(path)[0])
+    return Tokenizer.from_pretrained_dir(path)

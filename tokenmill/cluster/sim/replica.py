@@ -10,6 +10,7 @@ running sequences' own blocks, standing for the freed blocks a real KV cache kee
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
@@ -97,6 +98,10 @@ class PrefixCache:
             hits += 1
         return hits
 
+    def recent(self, limit: int) -> list[int]:
+        """Up to `limit` hashes, the most recently used first."""
+        return list(itertools.islice(reversed(self._blocks), limit))
+
     def insert(self, hashes: tuple[int, ...]) -> None:
         for h in hashes:
             self._blocks[h] = None
@@ -121,6 +126,11 @@ class Replica:
         self.work_s = 0.0  # seconds stepping, as a full batch would spend them: 1 per second at the ceiling
         self.stepping = False
         self._chunks: list[tuple[Flight, int]] = []  # the step in progress: prefill tokens given to each flight
+
+    @property
+    def planned(self) -> list[tuple[Flight, int]]:
+        """The step in progress (between start_step and finish_step): each prompt given prefill, and how much."""
+        return self._chunks
 
     @property
     def load(self) -> int:
