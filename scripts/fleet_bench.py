@@ -39,8 +39,9 @@ FLEET = ("--replicas", "8", "--simulate-engine")
 PROMPT = "Write a short note about the rivers of the north and the towns along them."
 
 
-def serve(flags: Sequence[str], name: str, model: str | None, log_dir: Path) -> TermStoppedServer:
-    spec = tokenmill_spec(free_port(), model, [*FLEET, *flags])
+def serve(flags: Sequence[str], name: str, args: argparse.Namespace, log_dir: Path) -> TermStoppedServer:
+    extra = ["--stream-interval", str(args.stream_interval)]
+    spec = tokenmill_spec(free_port(), args.model, [*FLEET, *extra, *flags])
     env = {"PYTHONUNBUFFERED": "1", "RAY_USAGE_STATS_ENABLED": "0"}
     server = TermStoppedServer(dataclasses.replace(spec, name=name, env=env), log_dir)
     print(f"{name}: starting (log {server.log_path})", flush=True)
@@ -72,7 +73,7 @@ async def saturate(url: str, args: argparse.Namespace) -> dict[str, Any]:
 def ingress_part(args: argparse.Namespace, log_dir: Path) -> list[dict[str, Any]]:
     rows = []
     for count in args.ingresses:
-        server = serve(("--ingress-replicas", str(count)), f"ingress-{count}", args.model, log_dir)
+        server = serve(("--ingress-replicas", str(count)), f"ingress-{count}", args, log_dir)
         try:
             rows.append({"ingresses": count, **load.run(saturate(server.url, args))})
         except (ServerStartError, OSError) as exc:
@@ -102,7 +103,7 @@ def routing_part(args: argparse.Namespace, log_dir: Path) -> list[dict[str, Any]
     )
     rows = []
     for label, flags in (("prefix", ()), ("two-choices", ("--no-prefix-affinity",))):
-        server = serve(("--ingress-replicas", "2", *flags), f"routing-{label}", args.model, log_dir)
+        server = serve(("--ingress-replicas", "2", *flags), f"routing-{label}", args, log_dir)
         try:
             rows.append({"routing": label, **load.run(run_multi_round(server.url, settings))})
         finally:
@@ -136,6 +137,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clients", type=int, default=48, help="ingress part: streaming clients at once")
     p.add_argument("--requests", type=int, default=600, help="ingress part: requests per system")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--stream-interval", type=int, default=1, help="every system's --stream-interval")
     p.add_argument("--users", type=int, default=32, help="routing part: conversations at once")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--qps", type=float, default=4.0)

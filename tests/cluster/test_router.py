@@ -95,8 +95,19 @@ def test_a_replica_holding_more_of_the_prompt_comes_first_whatever_the_ring_says
     holder.routing_stats = {"prefix_blocks": held(history, 5)}
     other.routing_stats = {"prefix_blocks": held(history, 1)}  # the system prompt only
     ranked = choose(router, four, pending(prompt))
-    assert ranked[0] == [holder.replica_id.unique_id] and ranked[1] == [other.replica_id.unique_id]
-    assert sorted(r for (r,) in ranked) == ["r0", "r1", "r2", "r3"]  # the rest in ring order after them
+    assert ranked[0] == [holder.replica_id.unique_id]
+    assert sorted(r for (r,) in ranked) == ["r0", "r1", "r2", "r3"]  # the rest after it
+
+
+def test_a_replica_holding_only_a_short_common_start_does_not_draw_the_prompt_from_a_less_loaded_one() -> None:
+    """Every user's first round shares only the system prompt (here 1 block of 5): sending all of them where it is
+    cached would queue their uncached histories on one replica, so the least loaded replica takes it."""
+    router, four = make_router(block_size=16), replicas(4)
+    prompt = SHARED + list(range(600, 664)) + [7, 8, 9]
+    for replica, load in zip(four, (3, 2, 0, 1), strict=True):
+        router.replica_queue_len_cache.update(replica.replica_id, load)
+        replica.routing_stats = {"prefix_blocks": held(prompt, 1 if load else 0)}
+    assert [r for (r,) in choose(router, four, pending(prompt))] == ["r2", "r3", "r1", "r0"]
 
 
 def test_held_blocks_count_only_under_the_load_bound_and_with_the_same_salt() -> None:

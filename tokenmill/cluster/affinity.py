@@ -28,6 +28,16 @@ DEFAULT_LOAD_FACTOR = 1.25  # c: the paper's example value; 1 would be perfect b
 # for little more than the price of one, so spilling them to another replica would only lose the cache. Without it
 # the bound is tight at low load (3 in flight on 2 replicas: ceil(1.25 x 4 / 2) = 3) and hot prefixes spread.
 DEFAULT_FREE_LOAD = 8
+# Routing by the blocks replicas hold: a holder goes first only if it holds at least this share of the prompt's
+# blocks. Below it, what its cache saves is the smaller part of the prompt, and sending every prompt to the replica
+# that holds a common beginning (a system prompt all users share) piles their long uncached rest onto one replica;
+# such a prompt goes to the least loaded replica instead (SGLang's router has the same rule, its cache_threshold).
+HOLDER_SHARE = 0.5
+
+
+def holder_wins(held_blocks: int, prompt_blocks: int) -> bool:
+    """A replica holding `held_blocks` of a prompt's `prompt_blocks` leading blocks goes before the less loaded."""
+    return held_blocks > 0 and held_blocks >= HOLDER_SHARE * prompt_blocks
 
 
 def prefix_key(token_ids: Sequence[int], block_size: int) -> int | None:

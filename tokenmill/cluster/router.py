@@ -30,6 +30,7 @@ from tokenmill.cluster.affinity import (
     DEFAULT_LOAD_FACTOR,
     HashRing,
     bounded_order,
+    holder_wins,
     load_bound,
     prefix_key,
     two_choices,
@@ -66,21 +67,25 @@ class PrefixAffinityRouter(RequestRouter):
             self._ring = HashRing(by_id)
         loads = {rid: self._in_flight(r) for rid, r in by_id.items()}
         order = bounded_order(self._ring.order(key), loads, self.load_factor)
-        holders = self._holders(pending_request, by_id, loads)
+        holders, some_held = self._holders(pending_request, by_id, loads)
+        if not holders and some_held:  # only a short common beginning is cached: the least loaded replica
+            order = sorted(order, key=lambda rid: loads[rid])  # stable: the ring breaks ties
         return [[by_id[rid]] for rid in [*holders, *(rid for rid in order if rid not in holders)]]
 
     def _holders(
         self, pending: PendingRequest | None, by_id: dict[str, RunningReplica], loads: dict[str, int]
-    ) -> list[str]:
-        """The replicas under the load bound that hold some of the prompt's leading blocks, the most first (then the
-        least loaded); [] where none has reported holding any."""
+    ) -> tuple[list[str], bool]:
+        """The replicas under the load bound that hold enough of the prompt's leading blocks to go first
+        (affinity.holder_wins), the most first (then the least loaded); and whether any replica reported holding
+        some of them."""
         ids = _prompt_ids(pending)
         keys = block_keys(ids, _cache_salt(pending), self.block_size)
         if not keys:
-            return []
+            return [], False
+        held = {rid: _leading(keys, self._held_set(rid, r)) for rid, r in by_id.items()}
         bound = load_bound(sum(loads.values()), len(by_id), self.load_factor)
-        held = {rid: _leading(keys, self._held_set(rid, r)) for rid, r in by_id.items() if loads[rid] < bound}
-        return sorted((rid for rid, n in held.items() if n), key=lambda rid: (-held[rid], loads[rid], rid))
+        winners = [rid for rid, n in held.items() if loads[rid] < bound and holder_wins(n, len(keys))]
+        return sorted(winners, key=lambda rid: (-held[rid], loads[rid], rid)), any(held.values())
 
     def _held_set(self, rid: str, replica: RunningReplica) -> frozenset[int]:
         """The replica's last report as a set, made again only when a new report came."""

@@ -24,7 +24,7 @@ from tokenmill.cluster.replica import REPORTED_BLOCKS, EngineReplica
 from tokenmill.cluster.router import HELD_BLOCKS, block_keys
 from tokenmill.cluster.sim.replica import EngineLimits, Flight, Replica, ServiceTimes
 from tokenmill.cluster.sim.trace import Arrival
-from tokenmill.config import Config
+from tokenmill.config import DEFAULT_MODEL_NAME, Config
 from tokenmill.engine.core import EngineStats
 from tokenmill.engine.outputs import FinishReason, RequestOutput, SequenceDelta, StepReport, merged, new_tokens
 from tokenmill.engine.sampling import SamplingParams
@@ -44,8 +44,9 @@ class SimulatedEngine:
         self.replica = Replica("simulated", limits, times or ServiceTimes(), config.block_size)
         self.block_size = config.block_size
         self.tokenizer = tokenizer
+        path = config.model_path
         self.model_name = (
-            config.served_model_name[0] if config.served_model_name else Path(config.model_path or "m").stem
+            config.served_model_name[0] if config.served_model_name else Path(path).stem if path else DEFAULT_MODEL_NAME
         )
         self.system_fingerprint = "fp_simulated"
         self.max_model_len = config.max_model_len or DEFAULT_CONTEXT

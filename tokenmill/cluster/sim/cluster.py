@@ -17,7 +17,14 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from tokenmill.cluster.affinity import DEFAULT_LOAD_FACTOR, HashRing, bounded_order, load_bound, two_choices
+from tokenmill.cluster.affinity import (
+    DEFAULT_LOAD_FACTOR,
+    HashRing,
+    bounded_order,
+    holder_wins,
+    load_bound,
+    two_choices,
+)
 from tokenmill.cluster.sim.replica import EngineLimits, Flight, Replica, ServiceTimes
 from tokenmill.cluster.sim.trace import Arrival, Workload, make_trace, option
 
@@ -84,9 +91,9 @@ class Router:
     """How a request picks its replica, by `routing`: the less loaded of two at random (`two-choices`, the router
     without affinity), each in turn (`round-robin`, a plain load balancer), cluster/router.py's affinity rule (the
     prefix key's ring order under the load bound), or `prefix`: the replica whose cache holds the longest prefix of the
-    prompt among those under the load bound (as replicas that report their cached blocks would let a router know;
-    `cached` reads a replica's cache), the less loaded of two where none holds any. Notes how far any placement went
-    past the load bound."""
+    prompt among those under the load bound if it holds enough of it (as replicas that report their cached blocks would
+    let a router know; `cached` reads a replica's cache), else the least loaded, or the ring's order where none holds
+    any (cluster/router.py's rule). Notes how far any placement went past the load bound."""
 
     def __init__(
         self,
@@ -123,13 +130,19 @@ class Router:
         return chosen
 
     def _longest_prefix(self, arrival: Arrival, loads: dict[str, int], bound: int) -> str:
+        """cluster/router.py's rule: a replica under the bound holding enough of the prompt (affinity.holder_wins),
+        the most first; else, if some replica holds some of it, the least loaded; else the prefix key's ring order."""
         assert self.cached is not None
         under = [name for name in self.names if loads[name] < bound] or self.names
-        held = {name: self.cached(name, arrival.block_hashes) for name in under}
-        most = max(held.values())
-        if most == 0:
-            return min(two_choices(under, self.rng), key=loads.__getitem__)
-        return min((name for name in under if held[name] == most), key=loads.__getitem__)
+        held = {name: self.cached(name, arrival.block_hashes) for name in self.names}
+        winners = [name for name in under if holder_wins(held[name], len(arrival.block_hashes))]
+        if winners:
+            most = max(held[name] for name in winners)
+            return min((name for name in winners if held[name] == most), key=loads.__getitem__)
+        if any(held.values()) or arrival.key is None:
+            return min(under, key=loads.__getitem__)
+        order = self._orders.get(arrival.key) or self._orders.setdefault(arrival.key, self.ring.order(arrival.key))
+        return bounded_order(order, loads, self.load_factor)[0]
 
 
 @dataclass(frozen=True)
