@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
+import ray
 from ray.serve.deployment import Application
 
 from tokenmill.cluster.app import (
@@ -120,3 +122,24 @@ def test_a_serve_config_file_builds_the_same_application() -> None:
     ingress, (engine,) = deployments(from_args(args))
     assert ingress.init_args[0] == Config(model=("a=x.gguf",), replicas=2, threads=1, api_key=("k",))
     assert engine.num_replicas == 2 and engine.init_args[0].served_model_name == ("a",)
+
+
+def test_the_kuberay_manifest_builds_the_application_it_describes() -> None:
+    """deploy/kuberay/rayservice.yaml as a user applies it: its Serve config's args build the application, for the
+    Ray version the image (deploy/Dockerfile) is built on."""
+    import yaml
+
+    root = Path(__file__).resolve().parents[2]
+    manifest = yaml.safe_load((root / "deploy" / "kuberay" / "rayservice.yaml").read_text())
+    serve_config = yaml.safe_load(manifest["spec"]["serveConfigV2"])
+    (application,) = serve_config["applications"]
+    assert application["import_path"] == "tokenmill.cluster.app:from_args"
+    ingress, (engine,) = deployments(from_args(application["args"]))
+    assert (ingress.num_replicas, engine.num_replicas, engine.ray_actor_options["num_cpus"]) == (2, 8, 4)
+    assert ingress.init_args[0].stream_interval == 4
+    cluster = manifest["spec"]["rayClusterConfig"]
+    assert cluster["rayVersion"] == ray.__version__
+    assert f"FROM rayproject/ray:{ray.__version__}-" in (root / "deploy" / "Dockerfile").read_text()
+    workers = cluster["workerGroupSpecs"][0]
+    cores = int(workers["rayStartParams"]["num-cpus"]) * workers["replicas"]
+    assert cores == engine.num_replicas * engine.ray_actor_options["num_cpus"]  # every replica has a place
