@@ -203,8 +203,9 @@ class Config:
     )
     simulate_engine: bool = _opt(
         False,
-        "engine replicas that do not run the model: each step sleeps the time the real engine's would take and every"
-        " answer repeats one token (load tests of the ingress, routing and limits; docs/scaling.md)",
+        "engine replicas that do not run the model: each step sleeps the cost the capacity simulation gives it (the"
+        " packaged model's, measured) and every answer repeats one token (load tests of the ingress, routing and"
+        " limits; docs/scaling.md)",
     )
     # --- limits: what one request may ask for, and how much may wait (docs/api.md, "Limits") ---
     max_waiting_requests: int = _opt(1024, "prompts admitted but not yet started; past it new requests get 429")

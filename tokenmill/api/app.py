@@ -286,7 +286,8 @@ async def _complete(request: Request, quota: Quota, arrived: float) -> Response:
         record = completion.record(with_text=state.config.log_prompts)
         note_completion(request.scope, record)
         _metrics(request).completion(record)
-        await quota.finish(used)  # last: a response's headers are what it leaves
+        # last: a response's headers are what it leaves; shielded, so a cancelled request still gets its refund
+        await asyncio.shield(quota.finish(used))
 
     if body.stream:
         return SSEResponse(completion.frames(), on_close=finish)

@@ -7,7 +7,8 @@ Where each number comes from:
 - engine step time, batch size and tokens per step: the engine's step observer, on the engine thread
   (prometheus_client's metrics are thread-safe);
 - running and waiting sequences, KV blocks and preemptions: the engine's stats, read at scrape time.
-Per-model series carry a `model` label: its served id, never a value a client chose.
+Per-model series carry a `model` label: its served id, never a value a client chose. Behind several ingress
+processes, the counters and histograms /metrics shows are the sums over all of them (`show_counts`, cluster/ledger.py).
 """
 
 from __future__ import annotations

@@ -42,9 +42,9 @@ ROUTER = "tokenmill.cluster.router:PrefixAffinityRouter"  # imported by Ray wher
 HEALTH_CHECK_PERIOD_S = 2.0  # how soon Ray Serve notices a replica whose engine loop died (a dead process: at once)
 ROUTING_STATS_PERIOD_S = 1.0  # how stale the router's view of each replica's cached prefixes may be
 INGRESS_MAX_ONGOING = 100_000  # the ingress takes every HTTP request; its own admission (api/admission.py) bounds them
-# autoscaled ingresses: the requests in flight on each that the autoscaler aims at (an ingress spends ~15 ms of CPU on
-# a request and ~2 ms on each streamed token, so at ~60 tokens a request one core carries ~10 requests a second;
-# a request lasting seconds keeps dozens in flight per core)
+# autoscaled ingresses: the requests in flight on each that the autoscaler aims at. An ingress's cost is mostly per
+# streamed token, and a request lasts seconds, so the requests one core carries (docs/scaling.md) keep dozens in
+# flight at once
 INGRESS_TARGET_ONGOING = 32
 LEDGER_MAX_ONGOING = 100_000  # every ingress's charges and pushes; each is answered at once
 
