@@ -18,6 +18,7 @@ from tests.api.scrape import parse, value
 from tests.api.server_process import Server
 from tests.cluster.ray_server import serve_replicas, skip_unless_private_network
 from tests.tiny_model import write_tiny_model
+from tokenmill.cluster.ledger import INGRESS_SILENT_S
 
 pytestmark = [pytest.mark.ray, skip_unless_private_network()]
 
@@ -82,6 +83,13 @@ def test_a_keys_limit_holds_across_both_ingresses_and_metrics_add_them_up(ingres
         return completions(samples, 200) == LIMIT and completions(samples, 429) == 4
 
     wait_until(counted, "both ingresses' counts in /metrics")
+
+
+def test_every_ingress_sends_its_counts_by_itself(ingresses: Server) -> None:
+    """A scrape makes only the ingress that answers it push at once; the ledger lists the ingresses heard from in the
+    last three seconds, so after a quiet spell both are listed only if the other pushed on its own."""
+    time.sleep(INGRESS_SILENT_S + 1)
+    assert len(ingress_pids(ingresses)) == 2
 
 
 def test_a_killed_ingress_loses_neither_the_limits_nor_the_counts(ingresses: Server) -> None:

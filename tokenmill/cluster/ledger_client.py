@@ -20,7 +20,7 @@ from ray.serve.handle import DeploymentHandle
 
 from tokenmill.api.app import SharedBooks
 from tokenmill.api.errors import APIError
-from tokenmill.api.rate_limit import Headers, UsageRow
+from tokenmill.api.rate_limit import OTHER, Headers, UsageRow
 from tokenmill.cluster.ledger import (
     INGRESS_SILENT_S,
     PUSH_PERIOD_S,
@@ -73,7 +73,7 @@ class SharedUsage:
 
     def __init__(self) -> None:
         self.unsent: list[tuple[str, int]] = []
-        self.last_rows: list[UsageRow] = [UsageRow("other", 0, 0)]
+        self.last_rows: list[UsageRow] = [UsageRow(OTHER, 0, 0)]
 
     def record(self, user: str, tokens: int) -> None:
         self.unsent.append((user, tokens))
