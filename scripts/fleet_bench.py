@@ -41,6 +41,8 @@ PROMPT = "Write a short note about the rivers of the north and the towns along t
 
 def serve(flags: Sequence[str], name: str, args: argparse.Namespace, log_dir: Path) -> TermStoppedServer:
     extra = ["--stream-interval", str(args.stream_interval)]
+    if args.service_times:
+        extra += ["--simulated-service-times", args.service_times]
     spec = tokenmill_spec(free_port(), args.model, [*FLEET, *extra, *flags])
     env = {"PYTHONUNBUFFERED": "1", "RAY_USAGE_STATS_ENABLED": "0"}
     server = TermStoppedServer(dataclasses.replace(spec, name=name, env=env), log_dir)
@@ -138,6 +140,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=600, help="ingress part: requests per system")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--stream-interval", type=int, default=1, help="every system's --stream-interval")
+    p.add_argument(
+        "--service-times",
+        default=None,
+        help="the replicas' --simulated-service-times (T_FIXED,T_PER_SEQ,T_PER_PREFILL_TOKEN from"
+        " scripts/replica_service_times.py); default: the packaged model's",
+    )
     p.add_argument("--users", type=int, default=32, help="routing part: conversations at once")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--qps", type=float, default=4.0)

@@ -36,11 +36,13 @@ COMPANIONS: dict[str, dict[str, Any]] = {
     "min_replicas": {"max_replicas": 9},  # autoscaling settings need its upper bound
     "target_ongoing_requests": {"max_replicas": 9},
     "simulate_engine": {"replicas": 2},  # it stands in for engine replicas
+    "simulated_service_times": {"replicas": 2, "simulate_engine": True},
 }
 VALUES: dict[str, Any] = {  # str fields whose text Config checks
     **{name: "90/min" for name in RATE_LIMITS},
     "speculative_config": '{"method": "ngram", "prompt_lookup_max": 3}',
     "lora": ("tuned=/adapters/tuned", "terse=/adapters/terse.gguf"),
+    "simulated_service_times": "0.0464,0.0035,0.0059",
 }
 
 

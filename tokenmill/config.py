@@ -207,6 +207,12 @@ class Config:
         " packaged model's, measured) and every answer repeats one token (load tests of the ingress, routing and"
         " limits; docs/scaling.md)",
     )
+    simulated_service_times: str | None = _opt(
+        None,
+        "with --simulate-engine: T_FIXED,T_PER_SEQ,T_PER_PREFILL_TOKEN, a step's seconds as scripts/"
+        "replica_service_times.py measures them for a model (a step costs T_FIXED + T_PER_SEQ per decoding sequence"
+        " + T_PER_PREFILL_TOKEN per prompt token computed); default: the packaged model's",
+    )
     # --- limits: what one request may ask for, and how much may wait (docs/api.md, "Limits") ---
     max_waiting_requests: int = _opt(1024, "prompts admitted but not yet started; past it new requests get 429")
     max_waiting_tokens: int = _opt(1 << 20, "prompt tokens of the waiting prompts; past it new requests get 429")
@@ -335,6 +341,10 @@ class Config:
             raise ConfigError("replicas, min_replicas and max_replicas must be at least 1, min <= max")
         if self.target_ongoing_requests is not None and self.target_ongoing_requests <= 0:
             raise ConfigError("target_ongoing_requests must be positive")
+        if self.simulated_service_times is not None:
+            if not self.simulate_engine:
+                raise ConfigError("simulated_service_times needs simulate_engine")
+            self.service_times()  # a malformed value fails at start
         if self.simulate_engine and not self.on_ray:
             raise ConfigError("simulate_engine stands in for engine replicas: add replicas (--replicas N)")
         if self.ingress_replicas < 1 or self.ingress_replicas > (self.max_ingress_replicas or self.ingress_replicas):
@@ -365,6 +375,22 @@ class Config:
                 raise ConfigError(f"--lora takes NAME=PATH, got {entry!r}")
             pairs.append((name, path))
         return pairs
+
+    def service_times(self) -> tuple[float, float, float] | None:
+        """--simulated-service-times as (t_fixed, t_per_seq, t_per_prefill_token) seconds; None: not given."""
+        if self.simulated_service_times is None:
+            return None
+        parts = self.simulated_service_times.split(",")
+        try:
+            times = tuple(float(part) for part in parts)
+        except ValueError:
+            times = ()
+        if len(times) != 3 or min(times) < 0:
+            raise ConfigError(
+                f"simulated_service_times must be three seconds, T_FIXED,T_PER_SEQ,T_PER_PREFILL_TOKEN, got"
+                f" {self.simulated_service_times!r}"
+            )
+        return times[0], times[1], times[2]
 
     @property
     def on_ray(self) -> bool:

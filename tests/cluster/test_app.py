@@ -90,6 +90,10 @@ def test_each_replica_gets_its_share_of_the_cores() -> None:
         {"min_replicas": 3, "max_replicas": 2},
         {"ingress_replicas": 0},
         {"ingress_replicas": 3, "max_ingress_replicas": 2},
+        {"simulate_engine": True},
+        {"replicas": 2, "simulated_service_times": "0.04,0.003,0.006"},
+        {"replicas": 2, "simulate_engine": True, "simulated_service_times": "0.04,0.003"},
+        {"replicas": 2, "simulate_engine": True, "simulated_service_times": "0.04,-1,0.006"},
     ],
 )
 def test_bad_replica_settings_fail_at_start(settings: dict[str, Any]) -> None:

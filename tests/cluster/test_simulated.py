@@ -92,3 +92,9 @@ def test_it_reads_only_the_models_tokenizer(tmp_path: Path) -> None:
     (model / "model.safetensors").unlink()  # no weights needed
     tokenizer = load_tokenizer(Config(model=(str(model),)))
     assert tokenizer.decode(tokenizer.encode("hello world", add_special_tokens=False)) == "hello world"
+
+
+def test_service_times_of_another_model_are_read_from_the_config() -> None:
+    config = Config(replicas=2, simulate_engine=True, simulated_service_times="0.0464, 0.0035,0.0059")
+    assert config.service_times() == (0.0464, 0.0035, 0.0059)
+    assert Config(replicas=2, simulate_engine=True).service_times() is None

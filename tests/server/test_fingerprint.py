@@ -74,6 +74,8 @@ def _other_value(field: dataclasses.Field[Any]) -> Any:
         return "10/min"
     if field.name == "speculative_config":  # the same tokens with drafts as without
         return '{"method": "ngram"}'
+    if field.name == "simulated_service_times":
+        return "0.0464,0.0035,0.0059"
     counts = ("max_model_len", "num_kv_blocks", "threads", "replicas", "min_replicas", "max_replicas")
     counts += ("max_ingress_replicas",)
     return 7 if field.name in (*counts, "target_ongoing_requests", "kv_cache_ram_gb") else "/elsewhere/model.gguf"
@@ -83,6 +85,7 @@ COMPANIONS = {  # valid only so
     "min_replicas": {"max_replicas": 8},
     "target_ongoing_requests": {"max_replicas": 8},
     "simulate_engine": {"replicas": 2},
+    "simulated_service_times": {"replicas": 2, "simulate_engine": True},
 }
 
 

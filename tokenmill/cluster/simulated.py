@@ -188,7 +188,9 @@ class SimulatedReplica(EngineReplica):
     """The deployment class of `--simulate-engine`: an EngineReplica whose engine is a SimulatedEngine."""
 
     def load(self, config: Config) -> SimulatedEngine:  # type: ignore[override]  # the replica's engine, simulated
-        return SimulatedEngine(config, load_tokenizer(config))
+        measured = config.service_times()
+        times = ServiceTimes(*measured) if measured is not None else None
+        return SimulatedEngine(config, load_tokenizer(config), times)
 
     async def record_routing_stats(self) -> dict[str, list[int]]:
         engine: SimulatedEngine = self.engine  # type: ignore[assignment]
