@@ -68,8 +68,8 @@ class Outputs:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        """The next output; with --stream-interval N, after the first, the next N steps' outputs as one (the end and
-        an error at once)."""
+        """The next output; with --stream-interval N, after the first, the next outputs joined until they carry N
+        tokens of a sequence (the end and an error at once)."""
         if self._done:
             raise StopAsyncIteration
         out = await self._next()
