@@ -14,7 +14,6 @@ strings, logprobs or grammars), in every one of its `n` sequences.
 from __future__ import annotations
 
 import asyncio
-import heapq
 import itertools
 import time
 from collections.abc import AsyncIterator, Callable
@@ -26,7 +25,7 @@ from tokenmill.cluster.sim.replica import EngineLimits, Flight, Replica, Service
 from tokenmill.cluster.sim.trace import Arrival
 from tokenmill.config import DEFAULT_MODEL_NAME, Config
 from tokenmill.engine.core import EngineStats
-from tokenmill.engine.outputs import FinishReason, RequestOutput, SequenceDelta, StepReport, merged, new_tokens
+from tokenmill.engine.outputs import FinishReason, RequestOutput, SequenceDelta, StepReport, chunk_complete, merged
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.server.load import load_tokenizer
 from tokenmill.tokenizer import Tokenizer
@@ -107,7 +106,7 @@ class SimulatedEngine:
             first = True
             while True:
                 output = await request.outputs.get()
-                while not (first or output.finished or new_tokens(output) >= self.stream_interval):
+                while not (first or chunk_complete(output, self.stream_interval)):
                     output = merged(output, await request.outputs.get())
                 first = False
                 yield output
@@ -156,14 +155,9 @@ class SimulatedEngine:
 
     def _drop_cancelled(self) -> None:
         """Requests whose caller stopped listening leave the batch between two steps."""
-        if not self._cancelled:
-            return
-        gone, self._cancelled = self._cancelled, set()
-        replica = self.replica
-        replica.waiting = type(replica.waiting)(f for f in replica.waiting if f not in gone)
-        replica.prefilling = [f for f in replica.prefilling if f not in gone]
-        replica.decoding = [entry for entry in replica.decoding if entry[2] not in gone]
-        heapq.heapify(replica.decoding)
+        if self._cancelled:
+            gone, self._cancelled = self._cancelled, set()
+            self.replica.drop(gone)
 
     def _count(self, report: StepReport) -> None:
         counters = self.counters

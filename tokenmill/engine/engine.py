@@ -25,8 +25,8 @@ from tokenmill.engine.outputs import (
     EngineDescription,
     RequestOutput,
     StepReport,
+    chunk_complete,
     merged,
-    new_tokens,
 )
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.tokenizer import Tokenizer
@@ -74,7 +74,7 @@ class Outputs:
             raise StopAsyncIteration
         out = await self._next()
         if self._chunk_tokens > 1:
-            while not (self._first or self._done or out.error is not None or new_tokens(out) >= self._chunk_tokens):
+            while not (self._first or chunk_complete(out, self._chunk_tokens)):
                 out = merged(out, await self._next())
         self._first = False
         return out

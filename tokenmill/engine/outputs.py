@@ -91,9 +91,12 @@ def merged(first: RequestOutput, then: RequestOutput) -> RequestOutput:
     )
 
 
-def new_tokens(output: RequestOutput) -> int:
-    """The most tokens any one sequence gained in this output."""
-    return max((len(delta.token_ids) for delta in output.deltas), default=0)
+def chunk_complete(output: RequestOutput, tokens: int) -> bool:
+    """Whether a chunk of --stream-interval `tokens` goes out as it is: a sequence gained that many tokens in it, or
+    it ends the request (finished, or an error)."""
+    if output.finished or output.error is not None:
+        return True
+    return max((len(delta.token_ids) for delta in output.deltas), default=0) >= tokens
 
 
 @dataclass(frozen=True)

@@ -180,6 +180,13 @@ class Replica:
             done.append(flight)
         return done
 
+    def drop(self, gone: set[Flight]) -> None:
+        """Take these flights out wherever they are (between steps: the callers of a real-time replica that left)."""
+        self.waiting = deque(flight for flight in self.waiting if flight not in gone)
+        self.prefilling = [flight for flight in self.prefilling if flight not in gone]
+        self.decoding = [entry for entry in self.decoding if entry[2] not in gone]
+        heapq.heapify(self.decoding)
+
     def _admit(self, flight: Flight) -> None:
         flight.cached_tokens = self.cache.match(flight.arrival.block_hashes) * self.block_size
         flight.prefill_left = flight.arrival.prompt_tokens - flight.cached_tokens
