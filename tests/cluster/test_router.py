@@ -6,8 +6,10 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
 
+from tokenmill.cluster import router as router_module
 from tokenmill.cluster.router import PrefixAffinityRouter
 
 DEPLOYMENT = DeploymentID("engine", "tokenmill")
@@ -22,8 +24,11 @@ def pending(ids: list[int]) -> Any:
     return SimpleNamespace(args=["request-id", ids, None], routing_context=SimpleNamespace(should_backoff=False))
 
 
-def choose(router: PrefixAffinityRouter, candidates: list[Any], request: Any) -> list[list[str]]:
+def choose(router: PrefixAffinityRouter, candidates: list[Any], request: Any, accept: bool = True) -> list[list[str]]:
+    """The ranks the router offers; with `accept`, its first replica then takes the request, as Ray reports it."""
     ranks = asyncio.run(router.choose_replicas(candidates, request))
+    if accept and ranks:
+        router.on_request_routed(request, ranks[0][0].replica_id, None)
     return [[r.replica_id.unique_id for r in rank] for rank in ranks]
 
 
@@ -124,3 +129,31 @@ def test_held_blocks_count_only_under_the_load_bound_and_with_the_same_salt() ->
     assert choose(router, four, salted)[0] == [holder.replica_id.unique_id]
     router.replica_queue_len_cache.update(holder.replica_id, 12)  # over the bound: the ring decides again
     assert choose(router, four, salted)[0] != [holder.replica_id.unique_id]
+
+
+def test_a_burst_placed_before_any_request_is_sent_still_spreads_by_the_load_bound() -> None:
+    """Ray ranks a burst of requests before any reaches a replica, so its queue lengths say 0 for all of them: the
+    router counts its own placements not yet accepted, and the ninth request of one prefix spills off the ring."""
+    router, four = make_router(block_size=16), replicas(4)
+    burst = [pending(SHARED + [i]) for i in range(9)]
+    firsts = [choose(router, four, request, accept=False)[0][0] for request in burst]
+    assert len(set(firsts[:8])) == 1 and firsts[8] != firsts[0]  # free load 8, then the bound
+    router.on_request_routed(burst[0], four[0].replica_id, None)  # accepted: Ray's cache counts it from here
+    assert choose(router, four, burst[0], accept=False)[0][0] == firsts[0]  # ranked again: not counted against itself
+
+
+def test_a_burst_of_first_rounds_goes_to_the_least_loaded_in_turn() -> None:
+    router, two = make_router(block_size=16), replicas(2)
+    prompts = [SHARED + list(range(600 + 70 * i, 664 + 70 * i)) + [7] for i in range(6)]
+    two[0].routing_stats = {"prefix_blocks": held(prompts[0], 1)}  # the shared start only: nobody wins by holding
+    firsts = [choose(router, two, pending(prompt), accept=False)[0][0] for prompt in prompts]
+    assert sorted(firsts) == ["r0", "r0", "r0", "r1", "r1", "r1"]
+
+
+def test_a_placement_never_confirmed_is_forgotten(monkeypatch: pytest.MonkeyPatch) -> None:
+    router, two = make_router(block_size=16), replicas(2)
+    prompts = [SHARED + list(range(600 + 70 * i, 664 + 70 * i)) + [7] for i in range(2)]
+    two[0].routing_stats = {"prefix_blocks": held(prompts[0], 1)}
+    first = choose(router, two, pending(prompts[0]), accept=False)[0][0]
+    monkeypatch.setattr(router_module, "PLACING_TIMEOUT_S", 0.0)
+    assert choose(router, two, pending(prompts[1]), accept=False)[0][0] == first  # the first one no longer counts

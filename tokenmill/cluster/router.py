@@ -5,7 +5,9 @@ prompt's token ids from the call's arguments (EngineReplica.generate(request_id,
 ranks the replicas by consistent hashing with bounded loads (cluster/affinity.py). Each rank holds one replica, so
 Ray sends the request to the first that accepts it; a replica that refuses (its queue full) or is gone passes it to
 the next on the ring. Loads are the requests in flight that this router has sent to each replica, from Ray's own
-queue-length cache (probed when it has nothing). A call without ids, or a prompt shorter than one block, goes by
+queue-length cache (probed when it has nothing), plus the requests this router has placed but Ray has not yet
+sent: a burst of requests is ranked before any of them reaches a replica, and without counting them every one of
+the burst would see the same loads and go to the same replica. A call without ids, or a prompt shorter than one block, goes by
 power of two choices, as Ray's default router does.
 
 Where replicas report the prefix blocks they hold (EngineReplica.record_routing_stats, every app.py's
@@ -22,8 +24,11 @@ the whole story on one ingress replica.
 from __future__ import annotations
 
 import random
+import time
+from collections import Counter
 from collections.abc import Sequence
 
+from ray.serve._private.common import ReplicaID
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from tokenmill.cluster.affinity import (
@@ -41,6 +46,9 @@ PROMPT_ARG = 1  # EngineReplica.generate's positional argument that holds the pr
 PARAMS_ARG = 2  # ... and its SamplingParams (the cache_salt its blocks' keys start from)
 HELD_BLOCKS = "prefix_blocks"  # the routing stats' entry: the first 8 bytes of each held block's key, as an int
 MAX_PROMPT_BLOCKS = 512  # leading blocks of a prompt looked up (8,192 tokens of 16)
+# A placement Ray has not confirmed (on_request_routed) within this long is forgotten: the request was cancelled,
+# or it is still waiting for room and will be ranked again, which places it afresh.
+PLACING_TIMEOUT_S = 5.0
 
 
 class PrefixAffinityRouter(RequestRouter):
@@ -53,6 +61,8 @@ class PrefixAffinityRouter(RequestRouter):
         self._ring = HashRing(())
         self._rng = random.Random()
         self._held: dict[str, tuple[object, frozenset[int]]] = {}  # replica → (its stats' list, as a set)
+        # id(request) → (the request, kept so its id is not reused; its first choice; when it was placed)
+        self._placing: dict[int, tuple[PendingRequest, str, float]] = {}
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -65,12 +75,29 @@ class PrefixAffinityRouter(RequestRouter):
             return [[by_id[r] for r in two_choices(sorted(by_id), self._rng)]] if by_id else []
         if set(self._ring.replicas) != set(by_id):
             self._ring = HashRing(by_id)
-        loads = {rid: self._in_flight(r) for rid, r in by_id.items()}
+        placing = self._placing_counts(pending_request)
+        loads = {rid: self._in_flight(r) + placing[rid] for rid, r in by_id.items()}
         order = bounded_order(self._ring.order(key), loads, self.load_factor)
         holders, some_held = self._holders(pending_request, by_id, loads)
         if not holders and some_held:  # only a short common beginning is cached: the least loaded replica
             order = sorted(order, key=lambda rid: loads[rid])  # stable: the ring breaks ties
-        return [[by_id[rid]] for rid in [*holders, *(rid for rid in order if rid not in holders)]]
+        ranked = [*holders, *(rid for rid in order if rid not in holders)]
+        if pending_request is not None and ranked:
+            self._placing[id(pending_request)] = (pending_request, ranked[0], time.monotonic())
+        return [[by_id[rid]] for rid in ranked]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: object) -> None:
+        """A replica accepted the request: from now on Ray's queue-length cache counts it."""
+        self._placing.pop(id(pending_request), None)
+
+    def _placing_counts(self, pending: PendingRequest | None) -> Counter[str]:
+        """The first choices of the requests placed but not yet accepted, by replica, other than `pending`'s own
+        (ranked again after a refusal); placements older than PLACING_TIMEOUT_S are dropped."""
+        now = time.monotonic()
+        for stale in [key for key, (_, _, at) in self._placing.items() if now - at > PLACING_TIMEOUT_S]:
+            del self._placing[stale]
+        own = id(pending) if pending is not None else None
+        return Counter(choice for key, (_, choice, _) in self._placing.items() if key != own)
 
     def _holders(
         self, pending: PendingRequest | None, by_id: dict[str, RunningReplica], loads: dict[str, int]
