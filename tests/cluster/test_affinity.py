@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from tokenmill.cluster.affinity import HashRing, bounded_order, load_bound, prefix_key, two_choices
+from tokenmill.cluster.affinity import HashRing, bounded_order, load_bound, prefix_key, soonest_first, two_choices
 
 REPLICAS = ["r0", "r1", "r2", "r3"]
 
@@ -82,3 +82,12 @@ def test_two_choices_are_two_different_replicas() -> None:
         pair = two_choices(REPLICAS, rng)
         assert len(pair) == 2 and len(set(pair)) == 2 and set(pair) <= set(REPLICAS)
     assert two_choices(["only"], rng) == ["only"]
+
+
+def test_the_fewest_prompt_tokens_ahead_go_first_within_the_load_bound() -> None:
+    order = ["a", "b", "c", "d"]
+    backlog = {"a": 500, "b": 20, "c": 20, "d": 0}
+    assert soonest_first(order, backlog, {"a": 0, "b": 3, "c": 1, "d": 0}) == ["d", "c", "b", "a"]
+    assert soonest_first(order, backlog, {}) == ["d", "b", "c", "a"]  # ties go to the ring's order
+    full = {"a": 0, "b": 0, "c": 0, "d": 12}  # bound: max(ceil(1.25 x 13 / 4), 8) = 8
+    assert soonest_first(order, backlog, full) == ["b", "c", "a", "d"]  # over the bound: last, in ring order

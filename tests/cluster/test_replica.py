@@ -32,7 +32,7 @@ def test_a_replica_reports_the_prefix_blocks_it_holds_as_the_router_keys_a_promp
 
     from tests.engine.tiny import tiny_core
     from tokenmill.cluster.replica import EngineReplica
-    from tokenmill.cluster.router import HELD_BLOCKS, block_keys
+    from tokenmill.cluster.router import HELD_BLOCKS, PREFILL_BACKLOG, block_keys
     from tokenmill.engine.engine import AsyncEngine
     from tokenmill.engine.sampling import SamplingParams
 
@@ -49,6 +49,7 @@ def test_a_replica_reports_the_prefix_blocks_it_holds_as_the_router_keys_a_promp
         finally:
             await engine.stop()
 
-    reported = asyncio.run(asyncio.wait_for(serve_one(), timeout=60))[HELD_BLOCKS]
+    stats = asyncio.run(asyncio.wait_for(serve_one(), timeout=60))
     keys = block_keys(prompt + [99], None, 4)  # a next prompt that starts with this one
-    assert len(keys) == 7 and set(keys) <= set(reported)
+    assert len(keys) == 7 and set(keys) <= set(stats[HELD_BLOCKS])
+    assert stats[PREFILL_BACKLOG] == 0  # its one prompt was prefilled and answered

@@ -104,15 +104,38 @@ def test_a_replica_holding_more_of_the_prompt_comes_first_whatever_the_ring_says
     assert sorted(r for (r,) in ranked) == ["r0", "r1", "r2", "r3"]  # the rest after it
 
 
-def test_a_replica_holding_only_a_short_common_start_does_not_draw_the_prompt_from_a_less_loaded_one() -> None:
-    """Every user's first round shares only the system prompt (here 1 block of 5): sending all of them where it is
-    cached would queue their uncached histories on one replica, so the least loaded replica takes it."""
+def test_a_long_first_round_goes_where_the_fewest_prompt_tokens_wait() -> None:
+    """Every user's first round shares only the system prompt (here 1 block of 5): the replica holding it has a queue
+    of uncached histories to prefill, so the prompt goes to the one with the least prefill ahead of it."""
     router, four = make_router(block_size=16), replicas(4)
     prompt = SHARED + list(range(600, 664)) + [7, 8, 9]
-    for replica, load in zip(four, (3, 2, 0, 1), strict=True):
-        router.replica_queue_len_cache.update(replica.replica_id, load)
-        replica.routing_stats = {"prefix_blocks": held(prompt, 1 if load else 0)}
+    for replica, backlog in zip(four, (3000, 2000, 0, 100), strict=True):
+        replica.routing_stats = {"prefix_blocks": held(prompt, 1 if backlog else 0), "prefill_backlog": backlog}
     assert [r for (r,) in choose(router, four, pending(prompt))] == ["r2", "r3", "r1", "r0"]
+
+
+def test_a_history_holder_wins_unless_its_queue_is_longer_than_recomputing_the_history() -> None:
+    router, two = make_router(block_size=16), replicas(2)
+    history = SHARED + list(range(500, 564))  # 80 tokens, 5 blocks
+    prompt = history + [7, 8, 9]
+    two[0].routing_stats = {"prefix_blocks": held(history, 5), "prefill_backlog": 60}  # 60 + 3 to prefill
+    two[1].routing_stats = {"prefix_blocks": [], "prefill_backlog": 0}  # 83
+    assert choose(router, two, pending(prompt))[0] == ["r0"]
+    two[0].routing_stats = {"prefix_blocks": held(history, 5), "prefill_backlog": 90}  # 93
+    assert choose(router, two, pending(prompt))[0] == ["r1"]
+
+
+def test_prompt_tokens_sent_since_a_report_count_until_the_next() -> None:
+    router, two = make_router(block_size=16), replicas(2)
+    for replica in two:
+        replica.routing_stats = {"prefix_blocks": [], "prefill_backlog": 0}
+    prompts = [SHARED + list(range(100 * i, 100 * i + 200)) for i in range(4)]  # 216 tokens, none held
+    firsts = [choose(router, two, pending(p))[0][0] for p in prompts]
+    assert firsts[0] != firsts[1] and firsts[2:] == firsts[:2]  # each sent prompt weighs on its replica in turn
+    assert choose(router, two, pending(prompts[0]))[0][0] == firsts[0]  # both 432 tokens behind: the ring's first
+    busy = next(r for r in two if r.replica_id.unique_id == firsts[1])
+    busy.routing_stats = {"prefix_blocks": [], "prefill_backlog": 1000}  # a new report: what was sent is in it
+    assert choose(router, two, pending(prompts[1]))[0][0] == firsts[0]  # 648 tokens behind against 1,000
 
 
 def test_held_blocks_count_only_under_the_load_bound_and_with_the_same_salt() -> None:
@@ -151,9 +174,7 @@ def test_a_burst_of_first_rounds_goes_to_the_least_loaded_in_turn() -> None:
 
 
 def test_a_placement_never_confirmed_is_forgotten(monkeypatch: pytest.MonkeyPatch) -> None:
-    router, two = make_router(block_size=16), replicas(2)
-    prompts = [SHARED + list(range(600 + 70 * i, 664 + 70 * i)) + [7] for i in range(2)]
-    two[0].routing_stats = {"prefix_blocks": held(prompts[0], 1)}
-    first = choose(router, two, pending(prompts[0]), accept=False)[0][0]
+    router, four = make_router(block_size=16), replicas(4)
+    firsts = [choose(router, four, pending(SHARED + [i]), accept=False)[0][0] for i in range(8)]
     monkeypatch.setattr(router_module, "PLACING_TIMEOUT_S", 0.0)
-    assert choose(router, two, pending(prompts[1]), accept=False)[0][0] == first  # the first one no longer counts
+    assert choose(router, four, pending(SHARED + [9]), accept=False)[0][0] == firsts[0]  # the eight no longer count

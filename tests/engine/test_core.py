@@ -196,6 +196,23 @@ def test_a_burst_is_prefilled_a_few_prompts_a_step_while_the_first_ones_decode()
     assert capped.blocks.num_used == 0
 
 
+def test_the_prefill_backlog_is_the_prompt_tokens_not_yet_computed() -> None:
+    core = tiny_core(max_num_prefills=1, max_num_batched_tokens=8)
+    long, short = TOK.encode("a long prompt of many bytes"), TOK.encode("hi")
+    core.add_request("long", long, greedy(3))
+    core.add_request("short", short, greedy(3))
+    assert core.prefill_backlog() == len(long) + len(short)
+    core.step()  # 8 of the long prompt's tokens
+    assert core.prefill_backlog() == len(long) - 8 + len(short)
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in core.scheduler.running) or core.scheduler.waiting:
+        core.step()
+    assert core.prefill_backlog() == 0  # both decoding: nothing of theirs left to prefill
+    run_all(core)
+    core.add_request("again", long + short, greedy(3))  # waiting, the long prompt's whole blocks of 4 cached
+    assert core.prefill_backlog() == len(long) + len(short) - len(long) // 4 * 4 < len(long)
+    run_all(core)
+
+
 def test_a_prompt_still_in_chunked_prefill_counts_against_the_cap() -> None:
     core = tiny_core(max_num_prefills=1, max_num_batched_tokens=8)
     core.add_request("long", TOK.encode("a long prompt of many bytes"), greedy(3))  # 27 tokens: four chunks

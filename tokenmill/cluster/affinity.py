@@ -28,16 +28,6 @@ DEFAULT_LOAD_FACTOR = 1.25  # c: the paper's example value; 1 would be perfect b
 # for little more than the price of one, so spilling them to another replica would only lose the cache. Without it
 # the bound is tight at low load (3 in flight on 2 replicas: ceil(1.25 x 4 / 2) = 3) and hot prefixes spread.
 DEFAULT_FREE_LOAD = 8
-# Routing by the blocks replicas hold: a holder goes first only if it holds at least this share of the prompt's
-# blocks. Below it, what its cache saves is the smaller part of the prompt, and sending every prompt to the replica
-# that holds a common beginning (a system prompt all users share) piles their long uncached rest onto one replica;
-# such a prompt goes to the least loaded replica instead (SGLang's router has the same rule, its cache_threshold).
-HOLDER_SHARE = 0.5
-
-
-def holder_wins(held_blocks: int, prompt_blocks: int) -> bool:
-    """A replica holding `held_blocks` of a prompt's `prompt_blocks` leading blocks goes before the less loaded."""
-    return held_blocks > 0 and held_blocks >= HOLDER_SHARE * prompt_blocks
 
 
 def prefix_key(token_ids: Sequence[int], block_size: int) -> int | None:
@@ -95,6 +85,28 @@ def bounded_order(
     if chosen is None:  # cannot happen while c >= 1 (someone is at or below the mean), but a bad c must not fail
         return list(order)
     return [chosen, *(r for r in order if r != chosen)]
+
+
+def soonest_first(
+    order: Sequence[str],
+    backlog: Mapping[str, int],
+    loads: Mapping[str, int],
+    load_factor: float = DEFAULT_LOAD_FACTOR,
+    free_load: int = DEFAULT_FREE_LOAD,
+) -> list[str]:
+    """Routing by what the replicas report: `order`'s replicas under the load bound, the one with the fewest prompt
+    tokens to prefill before this prompt's first token first (`backlog`: the tokens it has yet to prefill and the part
+    of this prompt it does not hold), ties to the less loaded and then to `order`; then the rest in `order`.
+
+    Why prefill tokens and not requests: a replica holding a conversation's history saves recomputing it, but a
+    replica handed several long uncached prompts has a queue that a count of requests does not show, and each of its
+    prompts waits for the others' prefill. Weighing both in tokens sends a prompt to its cached history unless the
+    queue there is longer than recomputing the history elsewhere, and spreads new long prompts by the work ahead of
+    them (the decode steps each shares are left to the load bound)."""
+    bound = load_bound(sum(loads.get(r, 0) for r in order), len(order), load_factor, free_load)
+    under = [r for r in order if loads.get(r, 0) < bound] or list(order)
+    ranked = sorted(under, key=lambda r: (backlog[r], loads.get(r, 0)))  # stable: `order` breaks ties
+    return [*ranked, *(r for r in order if r not in ranked)]
 
 
 def two_choices(replicas: Sequence[str], rng: random.Random) -> list[str]:

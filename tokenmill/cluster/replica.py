@@ -23,7 +23,7 @@ from typing import Any
 from ray import serve
 
 from tokenmill.api.logs import configure_logging
-from tokenmill.cluster.router import HELD_BLOCKS
+from tokenmill.cluster.router import HELD_BLOCKS, PREFILL_BACKLOG
 from tokenmill.config import Config
 from tokenmill.engine.core import EngineStats
 from tokenmill.engine.engine import AsyncEngine
@@ -105,10 +105,13 @@ class EngineReplica:
             yield output
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """Ray Serve's routing stats (every ROUTING_STATS_PERIOD_S): the prefix blocks this replica holds, for the
-        router (cluster/router.py), read between two engine steps."""
-        keys = await self.engine.between_steps(lambda: self.engine.core.blocks.held_keys(REPORTED_BLOCKS))
-        return {HELD_BLOCKS: [int.from_bytes(key[:8], "little") for key in keys]}
+        """Ray Serve's routing stats (every ROUTING_STATS_PERIOD_S): the prefix blocks this replica holds and the
+        prompt tokens it has yet to prefill, for the router (cluster/router.py), read between two engine steps."""
+        core = self.engine.core
+        keys, backlog = await self.engine.between_steps(
+            lambda: (core.blocks.held_keys(REPORTED_BLOCKS), core.prefill_backlog())
+        )
+        return {HELD_BLOCKS: [int.from_bytes(key[:8], "little") for key in keys], PREFILL_BACKLOG: backlog}
 
     def describe(self) -> ReplicaInfo:
         engine = self.engine

@@ -10,12 +10,15 @@ sent: a burst of requests is ranked before any of them reaches a replica, and wi
 the burst would see the same loads and go to the same replica. A call without ids, or a prompt shorter than one block, goes by
 power of two choices, as Ray's default router does.
 
-Where replicas report the prefix blocks they hold (EngineReplica.record_routing_stats, every app.py's
-ROUTING_STATS_PERIOD_S: Ray Serve's routing stats), a replica under the load bound that holds the longest run of the
-prompt's leading blocks comes first: a conversation's next round goes where its history is, though every prompt
-starts with the same system prompt and so the same first block. The prompt's blocks are keyed as the engine keys
-them (engine/kv_cache.py: SHA-256 chains from the request's cache_salt), the first 8 bytes of each. The reports are
-up to a period old: a block cached since is found at the next.
+Where replicas report the prefix blocks they hold and the prompt tokens they have yet to prefill
+(EngineReplica.record_routing_stats, every app.py's ROUTING_STATS_PERIOD_S: Ray Serve's routing stats), the
+replicas under the load bound go first by the prompt tokens each would prefill before this prompt's first token:
+its backlog, plus the tokens this router has placed there since its report, plus the part of the prompt it does not
+hold (affinity.soonest_first). So a conversation's next round goes where its history is, though every prompt starts
+with the same system prompt and so the same first block, unless the queue there is longer than recomputing the
+history elsewhere. The prompt's blocks are keyed as the engine keys them (engine/kv_cache.py: SHA-256 chains from
+the request's cache_salt), the first 8 bytes of each. The reports are up to a period old: a block cached since is
+found at the next.
 
 The router lives in the process of the handle's owner: the ingress, which sends every request, so its loads are
 the whole story on one ingress replica.
@@ -35,9 +38,8 @@ from tokenmill.cluster.affinity import (
     DEFAULT_LOAD_FACTOR,
     HashRing,
     bounded_order,
-    holder_wins,
-    load_bound,
     prefix_key,
+    soonest_first,
     two_choices,
 )
 from tokenmill.engine.kv_cache import PrefixHashes
@@ -45,6 +47,7 @@ from tokenmill.engine.kv_cache import PrefixHashes
 PROMPT_ARG = 1  # EngineReplica.generate's positional argument that holds the prompt's token ids
 PARAMS_ARG = 2  # ... and its SamplingParams (the cache_salt its blocks' keys start from)
 HELD_BLOCKS = "prefix_blocks"  # the routing stats' entry: the first 8 bytes of each held block's key, as an int
+PREFILL_BACKLOG = "prefill_backlog"  # ... and the prompt tokens the replica has yet to prefill (its engine's count)
 MAX_PROMPT_BLOCKS = 512  # leading blocks of a prompt looked up (8,192 tokens of 16)
 # A placement Ray has not confirmed (on_request_routed) within this long is forgotten: the request was cancelled,
 # or it is still waiting for room and will be ranked again, which places it afresh.
@@ -61,6 +64,7 @@ class PrefixAffinityRouter(RequestRouter):
         self._ring = HashRing(())
         self._rng = random.Random()
         self._held: dict[str, tuple[object, frozenset[int]]] = {}  # replica → (its stats' list, as a set)
+        self._placed: dict[str, tuple[object, int]] = {}  # replica → (its last report's list, prompt tokens sent since)
         # id(request) → (the request, kept so its id is not reused; its first choice; when it was placed)
         self._placing: dict[int, tuple[PendingRequest, str, float]] = {}
 
@@ -77,13 +81,17 @@ class PrefixAffinityRouter(RequestRouter):
             self._ring = HashRing(by_id)
         placing = self._placing_counts(pending_request)
         loads = {rid: self._in_flight(r) + placing[rid] for rid, r in by_id.items()}
-        order = bounded_order(self._ring.order(key), loads, self.load_factor)
-        holders, some_held = self._holders(pending_request, by_id, loads)
-        if not holders and some_held:  # only a short common beginning is cached: the least loaded replica
-            order = sorted(order, key=lambda rid: loads[rid])  # stable: the ring breaks ties
-        ranked = [*holders, *(rid for rid in order if rid not in holders)]
+        uncached = self._uncached(pending_request, by_id)
+        if uncached:  # the replicas report what they hold and their backlogs
+            backlog = {rid: self._backlog(rid, r) + uncached[rid] for rid, r in by_id.items()}
+            ranked = soonest_first(self._ring.order(key), backlog, loads, self.load_factor)
+        else:
+            ranked = bounded_order(self._ring.order(key), loads, self.load_factor)
         if pending_request is not None and ranked:
             self._placing[id(pending_request)] = (pending_request, ranked[0], time.monotonic())
+            if uncached:
+                report, placed = self._placed[ranked[0]]
+                self._placed[ranked[0]] = (report, placed + uncached[ranked[0]])
         return [[by_id[rid]] for rid in ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: object) -> None:
@@ -99,25 +107,27 @@ class PrefixAffinityRouter(RequestRouter):
         own = id(pending) if pending is not None else None
         return Counter(choice for key, (_, choice, _) in self._placing.items() if key != own)
 
-    def _holders(
-        self, pending: PendingRequest | None, by_id: dict[str, RunningReplica], loads: dict[str, int]
-    ) -> tuple[list[str], bool]:
-        """The replicas under the load bound that hold enough of the prompt's leading blocks to go first
-        (affinity.holder_wins), the most first (then the least loaded); and whether any replica reported holding
-        some of them."""
+    def _uncached(self, pending: PendingRequest | None, by_id: dict[str, RunningReplica]) -> dict[str, int]:
+        """The prompt tokens each replica would compute for this prompt, by the leading blocks it reported holding;
+        {} where no replica has reported yet."""
+        if not any(_stats(r) for r in by_id.values()):
+            return {}
         ids = _prompt_ids(pending)
         keys = block_keys(ids, _cache_salt(pending), self.block_size)
-        if not keys:
-            return [], False
-        held = {rid: _leading(keys, self._held_set(rid, r)) for rid, r in by_id.items()}
-        bound = load_bound(sum(loads.values()), len(by_id), self.load_factor)
-        winners = [rid for rid, n in held.items() if loads[rid] < bound and holder_wins(n, len(keys))]
-        return sorted(winners, key=lambda rid: (-held[rid], loads[rid], rid)), any(held.values())
+        return {rid: len(ids) - _leading(keys, self._held_set(rid, r)) * self.block_size for rid, r in by_id.items()}
+
+    def _backlog(self, rid: str, replica: RunningReplica) -> int:
+        """The prompt tokens the replica reported it has yet to prefill, and those this router has sent it since."""
+        stats = _stats(replica)
+        report = stats.get(HELD_BLOCKS)
+        known = self._placed.get(rid)
+        if known is None or known[0] is not report:  # a new report counts what was sent before it
+            known = self._placed[rid] = (report, 0)
+        return int(stats.get(PREFILL_BACKLOG) or 0) + known[1]
 
     def _held_set(self, rid: str, replica: RunningReplica) -> frozenset[int]:
         """The replica's last report as a set, made again only when a new report came."""
-        stats = getattr(replica, "routing_stats", None) or {}
-        reported = stats.get(HELD_BLOCKS) or ()
+        reported = _stats(replica).get(HELD_BLOCKS) or ()
         known = self._held.get(rid)
         if known is None or known[0] is not reported:
             known = self._held[rid] = (reported, frozenset(reported))
@@ -145,6 +155,11 @@ def _leading(keys: Sequence[int], held: frozenset[int]) -> int:
         if key not in held:
             return n
     return len(keys)
+
+
+def _stats(replica: RunningReplica) -> dict:
+    """The replica's last routing stats ({} before its first report)."""
+    return getattr(replica, "routing_stats", None) or {}
 
 
 def _cache_salt(pending: PendingRequest | None) -> str | None:

@@ -18,9 +18,10 @@ import itertools
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 from tokenmill.cluster.replica import REPORTED_BLOCKS, EngineReplica
-from tokenmill.cluster.router import HELD_BLOCKS, block_keys
+from tokenmill.cluster.router import HELD_BLOCKS, PREFILL_BACKLOG, block_keys
 from tokenmill.cluster.sim.replica import EngineLimits, Flight, Replica, ServiceTimes
 from tokenmill.cluster.sim.trace import Arrival
 from tokenmill.config import DEFAULT_MODEL_NAME, Config
@@ -186,6 +187,6 @@ class SimulatedReplica(EngineReplica):
         times = ServiceTimes(*measured) if measured is not None else None
         return SimulatedEngine(config, load_tokenizer(config), times)
 
-    async def record_routing_stats(self) -> dict[str, list[int]]:
+    async def record_routing_stats(self) -> dict[str, Any]:
         engine: SimulatedEngine = self.engine  # type: ignore[assignment]
-        return {HELD_BLOCKS: engine.held_keys(REPORTED_BLOCKS)}
+        return {HELD_BLOCKS: engine.held_keys(REPORTED_BLOCKS), PREFILL_BACKLOG: engine.replica.prefill_backlog}

@@ -560,6 +560,17 @@ class EngineCore:
         if self.blocks.tiers is not None:
             self.blocks.tiers.close()
 
+    def prefill_backlog(self) -> int:
+        """Prompt tokens taken but not yet computed: those of each waiting sequence past what the prefix cache holds
+        of it now, and the rest of the prompts part-way through their prefill. What a router weighs to send a prompt
+        where its first token comes soonest."""
+        waiting = sum(
+            seq.num_tokens - (0 if seq.wants_prompt_logprobs else self.blocks.cached_tokens(seq.token_ids, seq.prefix))
+            for seq in self.scheduler.waiting
+        )
+        started = sum(max(seq.num_prompt_tokens - seq.num_computed_tokens, 0) for seq in self.scheduler.running)
+        return waiting + started
+
     def snapshot_stats(self) -> EngineStats:
         st = self.stats
         st.num_running = len(self.scheduler.running)

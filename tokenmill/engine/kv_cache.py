@@ -162,6 +162,11 @@ class BlockManager:
             fresh = fresh[len(loaded) :]
         return Allocation(cached + fresh, len(cached) * self.block_size)
 
+    def cached_tokens(self, tokens: Seq[int], hashes: PrefixHashes) -> int:
+        """How many of the prompt's leading tokens allocate_prompt would find cached now, here or in the tiers."""
+        live = len(self._match_prefix(tokens, hashes))
+        return (live + len(self._match_tiers(tokens, hashes, live))) * self.block_size
+
     def _match_prefix(self, tokens: Seq[int], hashes: PrefixHashes) -> list[int]:
         matched: list[int] = []
         for i in range((len(tokens) - 1) // self.block_size):

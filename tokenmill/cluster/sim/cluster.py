@@ -2,8 +2,8 @@
 
 Every request first holds one of `proxies` FIFO servers for `s_router` seconds (HTTP ingress, the proxy and the
 routing decision, all serial CPU), then the router places it by the live in-flight loads (Router: with affinity, the
-first replica under the load bound in its prefix key's ring order; by prefix, the one whose cache holds the most of
-the prompt; else the less loaded of two at random, or each replica in turn). Figures are taken over a window that starts after the `warmup` share of the requests has
+first replica under the load bound in its prefix key's ring order; by prefix, the one with the fewest prompt tokens
+to prefill before the prompt's first token; else the less loaded of two at random, or each replica in turn). Figures are taken over a window that starts after the `warmup` share of the requests has
 arrived (the caches start cold) and ends at the last arrival, so a saturated stage shows as its own rate.
 """
 
@@ -21,8 +21,8 @@ from tokenmill.cluster.affinity import (
     DEFAULT_LOAD_FACTOR,
     HashRing,
     bounded_order,
-    holder_wins,
     load_bound,
+    soonest_first,
     two_choices,
 )
 from tokenmill.cluster.sim.replica import EngineLimits, Flight, Replica, ServiceTimes
@@ -90,10 +90,10 @@ ROUTINGS = ("two-choices", "round-robin", "affinity", "prefix")
 class Router:
     """How a request picks its replica, by `routing`: the less loaded of two at random (`two-choices`, the router
     without affinity), each in turn (`round-robin`, a plain load balancer), cluster/router.py's affinity rule (the
-    prefix key's ring order under the load bound), or `prefix`: the replica whose cache holds the longest prefix of the
-    prompt among those under the load bound if it holds enough of it (as replicas that report their cached blocks would
-    let a router know; `cached` reads a replica's cache), else the least loaded, or the ring's order where none holds
-    any (cluster/router.py's rule). Notes how far any placement went past the load bound."""
+    prefix key's ring order under the load bound), or `prefix`: under the load bound, the replica with the fewest prompt
+    tokens to prefill before the prompt's first token, its backlog and the part of the prompt its cache does not hold
+    (cluster/router.py's rule where replicas report their blocks and backlogs; `cached` reads a replica's cache and
+    `backlog` its queue, with no report's lag). Notes how far any placement went past the load bound."""
 
     def __init__(
         self,
@@ -102,6 +102,8 @@ class Router:
         load_factor: float,
         rng: random.Random,
         cached: Callable[[str, tuple[int, ...]], int] | None = None,
+        backlog: Callable[[str], int] | None = None,
+        block_size: int = 16,
     ) -> None:
         if routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
@@ -110,6 +112,8 @@ class Router:
         self.load_factor = load_factor
         self.rng = rng
         self.cached = cached
+        self.backlog = backlog
+        self.block_size = block_size
         self.ring = HashRing(self.names)
         self._orders: dict[int, list[str]] = {}  # a trace has few keys, and walking the ring is the slow part
         self._turn = itertools.cycle(self.names)
@@ -119,8 +123,8 @@ class Router:
         bound = load_bound(sum(loads.values()), len(self.names), self.load_factor)
         if self.routing == "round-robin":
             return next(self._turn)
-        if self.routing == "prefix" and self.cached is not None:
-            chosen = self._longest_prefix(arrival, loads, bound)
+        if self.routing == "prefix" and self.cached is not None and self.backlog is not None:
+            chosen = self._soonest(arrival, loads)
         elif self.routing == "affinity" and arrival.key is not None:
             order = self._orders.get(arrival.key) or self._orders.setdefault(arrival.key, self.ring.order(arrival.key))
             chosen = bounded_order(order, loads, self.load_factor)[0]
@@ -129,20 +133,18 @@ class Router:
         self.worst_over_bound = max(self.worst_over_bound, loads[chosen] + 1 - bound)
         return chosen
 
-    def _longest_prefix(self, arrival: Arrival, loads: dict[str, int], bound: int) -> str:
-        """cluster/router.py's rule: a replica under the bound holding enough of the prompt (affinity.holder_wins),
-        the most first; else, if some replica holds some of it, the least loaded; else the prefix key's ring order."""
-        assert self.cached is not None
-        under = [name for name in self.names if loads[name] < bound] or self.names
-        held = {name: self.cached(name, arrival.block_hashes) for name in self.names}
-        winners = [name for name in under if holder_wins(held[name], len(arrival.block_hashes))]
-        if winners:
-            most = max(held[name] for name in winners)
-            return min((name for name in winners if held[name] == most), key=loads.__getitem__)
-        if any(held.values()) or arrival.key is None:
-            return min(under, key=loads.__getitem__)
+    def _soonest(self, arrival: Arrival, loads: dict[str, int]) -> str:
+        """cluster/router.py's rule (affinity.soonest_first): under the load bound, the replica with the fewest prompt
+        tokens to prefill before this prompt's first token, its backlog and the part of the prompt it does not hold."""
+        assert self.cached is not None and self.backlog is not None
+        if arrival.key is None:
+            return min(two_choices(self.names, self.rng), key=loads.__getitem__)
         order = self._orders.get(arrival.key) or self._orders.setdefault(arrival.key, self.ring.order(arrival.key))
-        return bounded_order(order, loads, self.load_factor)[0]
+        backlog = {
+            name: self.backlog(name) + arrival.prompt_tokens - self.cached(name, arrival.block_hashes) * self.block_size
+            for name in self.names
+        }
+        return soonest_first(order, backlog, loads, self.load_factor)[0]
 
 
 @dataclass(frozen=True)
@@ -180,7 +182,15 @@ class ClusterSim:
         }
         self.loads = dict.fromkeys(self.fleet, 0)
         cached = self._cached
-        self.router = Router(list(self.fleet), routing, cfg.load_factor, random.Random(cfg.seed + 1), cached)
+        self.router = Router(
+            list(self.fleet),
+            routing,
+            cfg.load_factor,
+            random.Random(cfg.seed + 1),
+            cached,
+            self._backlog,
+            cfg.workload.block_size,
+        )
         self.flights = [Flight(a) for a in trace]
         self.skip = min(
             int(len(trace) * cfg.warmup), len(trace) - 2
@@ -216,6 +226,9 @@ class ClusterSim:
 
     def _fleet_busy(self) -> tuple[float, float]:
         return sum(r.busy_s for r in self.fleet.values()), sum(r.work_s for r in self.fleet.values())
+
+    def _backlog(self, name: str) -> int:
+        return self.fleet[name].prefill_backlog
 
     def _cached(self, name: str, hashes: tuple[int, ...]) -> int:
         return self.fleet[name].cache.peek(hashes)

@@ -137,6 +137,15 @@ class Replica:
         """Requests in flight here: what the router balances."""
         return len(self.waiting) + len(self.prefilling) + len(self.decoding)
 
+    @property
+    def prefill_backlog(self) -> int:
+        """Prompt tokens taken but not yet computed, as the engine counts them (EngineCore.prefill_backlog): those of
+        each waiting prompt past what the cache holds of it now, and the rest of the prompts part-way."""
+        waiting = sum(
+            f.arrival.prompt_tokens - self.cache.peek(f.arrival.block_hashes) * self.block_size for f in self.waiting
+        )
+        return waiting + sum(f.prefill_left for f in self.prefilling)
+
     def add(self, flight: Flight) -> None:
         flight.replica = self.name
         self.waiting.append(flight)
