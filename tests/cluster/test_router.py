@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from types import SimpleNamespace
 from typing import Any
 
@@ -21,7 +22,11 @@ def replicas(n: int) -> list[Any]:
 
 
 def pending(ids: list[int]) -> Any:
-    return SimpleNamespace(args=["request-id", ids, None], routing_context=SimpleNamespace(should_backoff=False))
+    return SimpleNamespace(
+        args=["request-id", ids, None],
+        routing_context=SimpleNamespace(should_backoff=False),
+        metadata=SimpleNamespace(internal_request_id=uuid.uuid4().hex),
+    )
 
 
 def choose(router: PrefixAffinityRouter, candidates: list[Any], request: Any, accept: bool = True) -> list[list[str]]:
@@ -178,3 +183,16 @@ def test_a_placement_never_confirmed_is_forgotten(monkeypatch: pytest.MonkeyPatc
     firsts = [choose(router, four, pending(SHARED + [i]), accept=False)[0][0] for i in range(8)]
     monkeypatch.setattr(router_module, "PLACING_TIMEOUT_S", 0.0)
     assert choose(router, four, pending(SHARED + [9]), accept=False)[0][0] == firsts[0]  # the eight no longer count
+
+
+def test_a_prompt_after_another_that_ended_meets_its_blocks_before_any_report_says_so() -> None:
+    """One client's prompts one after another, sharing a new first block: the first ended before the next report,
+    so neither its tokens nor its blocks are known; the ring, not its ended backlog, decides the second."""
+    router, two = make_router(block_size=16), replicas(2)
+    for replica in two:
+        replica.routing_stats = {"prefix_blocks": [], "prefill_backlog": 0}
+    first, second = pending(SHARED + list(range(300, 340))), pending(SHARED + list(range(400, 440)))
+    chosen = choose(router, two, first)[0][0]
+    taker = next(r for r in two if r.replica_id.unique_id == chosen)
+    router.on_request_completed(taker.replica_id, first.metadata.internal_request_id)
+    assert choose(router, two, second)[0][0] == chosen

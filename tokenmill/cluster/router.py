@@ -5,20 +5,20 @@ prompt's token ids from the call's arguments (EngineReplica.generate(request_id,
 ranks the replicas by consistent hashing with bounded loads (cluster/affinity.py). Each rank holds one replica, so
 Ray sends the request to the first that accepts it; a replica that refuses (its queue full) or is gone passes it to
 the next on the ring. Loads are the requests in flight that this router has sent to each replica, from Ray's own
-queue-length cache (probed when it has nothing), plus the requests this router has placed but Ray has not yet
-sent: a burst of requests is ranked before any of them reaches a replica, and without counting them every one of
-the burst would see the same loads and go to the same replica. A call without ids, or a prompt shorter than one block, goes by
+queue-length cache (probed when it has nothing), plus the requests this router has placed but Ray has not yet sent:
+a burst of requests is ranked before any of them reaches a replica, and without counting them every one of the burst
+would see the same loads and go to the same replica. A call without ids, or a prompt shorter than one block, goes by
 power of two choices, as Ray's default router does.
 
 Where replicas report the prefix blocks they hold and the prompt tokens they have yet to prefill
-(EngineReplica.record_routing_stats, every app.py's ROUTING_STATS_PERIOD_S: Ray Serve's routing stats), the
-replicas under the load bound go first by the prompt tokens each would prefill before this prompt's first token:
-its backlog, plus the tokens this router has placed there since its report, plus the part of the prompt it does not
-hold (affinity.soonest_first). So a conversation's next round goes where its history is, though every prompt starts
-with the same system prompt and so the same first block, unless the queue there is longer than recomputing the
-history elsewhere. The prompt's blocks are keyed as the engine keys them (engine/kv_cache.py: SHA-256 chains from
-the request's cache_salt), the first 8 bytes of each. The reports are up to a period old: a block cached since is
-found at the next.
+(EngineReplica.record_routing_stats, every app.py's ROUTING_STATS_PERIOD_S: Ray Serve's routing stats), the replicas
+under the load bound go first by the prompt tokens each would prefill before this prompt's first token: its backlog,
+plus the tokens of the requests this router has sent it since its report that are still running, plus the part of
+the prompt it does not hold (affinity.soonest_first). So a conversation's next round goes where its history is,
+though every prompt starts with the same system prompt and so the same first block, unless the queue there is longer
+than recomputing the history elsewhere. The prompt's blocks are keyed as the engine keys them (engine/kv_cache.py:
+SHA-256 chains from the request's cache_salt), the first 8 bytes of each. The reports are up to a period old: a
+block cached since is found at the next.
 
 The router lives in the process of the handle's owner: the ingress, which sends every request, so its loads are
 the whole story on one ingress replica.
@@ -64,9 +64,12 @@ class PrefixAffinityRouter(RequestRouter):
         self._ring = HashRing(())
         self._rng = random.Random()
         self._held: dict[str, tuple[object, frozenset[int]]] = {}  # replica → (its stats' list, as a set)
-        self._placed: dict[str, tuple[object, int]] = {}  # replica → (its last report's list, prompt tokens sent since)
-        # id(request) → (the request, kept so its id is not reused; its first choice; when it was placed)
-        self._placing: dict[int, tuple[PendingRequest, str, float]] = {}
+        # replica → (its last report's list, {request id: [its uncached prompt tokens]} of requests sent since that
+        # are still running): what the replica's next report will count in its backlog
+        self._sent: dict[str, tuple[object, dict[str, list[int]]]] = {}
+        # id(request) → (the request, kept so its id is not reused; its first choice; when it was placed; the prompt
+        # tokens each replica would compute for it, {} before any report)
+        self._placing: dict[int, tuple[PendingRequest, str, float, dict[str, int]]] = {}
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -83,29 +86,49 @@ class PrefixAffinityRouter(RequestRouter):
         loads = {rid: self._in_flight(r) + placing[rid] for rid, r in by_id.items()}
         uncached = self._uncached(pending_request, by_id)
         if uncached:  # the replicas report what they hold and their backlogs
-            backlog = {rid: self._backlog(rid, r) + uncached[rid] for rid, r in by_id.items()}
+            placed = self._placing_tokens(pending_request)
+            backlog = {rid: self._backlog(rid, r) + placed[rid] + uncached[rid] for rid, r in by_id.items()}
             ranked = soonest_first(self._ring.order(key), backlog, loads, self.load_factor)
         else:
             ranked = bounded_order(self._ring.order(key), loads, self.load_factor)
         if pending_request is not None and ranked:
-            self._placing[id(pending_request)] = (pending_request, ranked[0], time.monotonic())
-            if uncached:
-                report, placed = self._placed[ranked[0]]
-                self._placed[ranked[0]] = (report, placed + uncached[ranked[0]])
+            self._placing[id(pending_request)] = (pending_request, ranked[0], time.monotonic(), uncached)
         return [[by_id[rid]] for rid in ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: object) -> None:
-        """A replica accepted the request: from now on Ray's queue-length cache counts it."""
-        self._placing.pop(id(pending_request), None)
+        """A replica accepted the request: from now on Ray's queue-length cache counts it, and its prompt tokens
+        weigh on the replica until it ends or the replica's next report counts them."""
+        placed = self._placing.pop(id(pending_request), None)
+        rid = replica_id.unique_id
+        if placed is not None and rid in placed[3] and rid in self._sent:
+            self._sent[rid][1].setdefault(_request_id(pending_request), []).append(placed[3][rid])
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        """The request ended: its prompt is no longer in the replica's backlog, whatever its last report said."""
+        sent = self._sent.get(replica_id.unique_id)
+        if sent is not None and (tokens := sent[1].get(internal_request_id)):
+            tokens.pop()
+            if not tokens:
+                del sent[1][internal_request_id]
+
+    def _placing_tokens(self, pending: PendingRequest | None) -> Counter[str]:
+        """The prompt tokens of the requests placed but not yet accepted, by their first choice, other than
+        `pending`'s own."""
+        own = id(pending) if pending is not None else None
+        placed: Counter[str] = Counter()
+        for key, (_, choice, _, uncached) in self._placing.items():
+            if key != own and choice in uncached:
+                placed[choice] += uncached[choice]
+        return placed
 
     def _placing_counts(self, pending: PendingRequest | None) -> Counter[str]:
         """The first choices of the requests placed but not yet accepted, by replica, other than `pending`'s own
         (ranked again after a refusal); placements older than PLACING_TIMEOUT_S are dropped."""
         now = time.monotonic()
-        for stale in [key for key, (_, _, at) in self._placing.items() if now - at > PLACING_TIMEOUT_S]:
+        for stale in [key for key, (_, _, at, _) in self._placing.items() if now - at > PLACING_TIMEOUT_S]:
             del self._placing[stale]
         own = id(pending) if pending is not None else None
-        return Counter(choice for key, (_, choice, _) in self._placing.items() if key != own)
+        return Counter(choice for key, (_, choice, _, _) in self._placing.items() if key != own)
 
     def _uncached(self, pending: PendingRequest | None, by_id: dict[str, RunningReplica]) -> dict[str, int]:
         """The prompt tokens each replica would compute for this prompt, by the leading blocks it reported holding;
@@ -117,13 +140,14 @@ class PrefixAffinityRouter(RequestRouter):
         return {rid: len(ids) - _leading(keys, self._held_set(rid, r)) * self.block_size for rid, r in by_id.items()}
 
     def _backlog(self, rid: str, replica: RunningReplica) -> int:
-        """The prompt tokens the replica reported it has yet to prefill, and those this router has sent it since."""
+        """The prompt tokens the replica reported it has yet to prefill, and those of the requests this router has
+        sent it since that are still running."""
         stats = _stats(replica)
         report = stats.get(HELD_BLOCKS)
-        known = self._placed.get(rid)
+        known = self._sent.get(rid)
         if known is None or known[0] is not report:  # a new report counts what was sent before it
-            known = self._placed[rid] = (report, 0)
-        return int(stats.get(PREFILL_BACKLOG) or 0) + known[1]
+            known = self._sent[rid] = (report, {})
+        return int(stats.get(PREFILL_BACKLOG) or 0) + sum(sum(tokens) for tokens in known[1].values())
 
     def _held_set(self, rid: str, replica: RunningReplica) -> frozenset[int]:
         """The replica's last report as a set, made again only when a new report came."""
@@ -160,6 +184,12 @@ def _leading(keys: Sequence[int], held: frozenset[int]) -> int:
 def _stats(replica: RunningReplica) -> dict:
     """The replica's last routing stats ({} before its first report)."""
     return getattr(replica, "routing_stats", None) or {}
+
+
+def _request_id(pending: PendingRequest) -> str:
+    """Ray's id of the request, as on_request_completed names it (the object's id for a stand-in without one)."""
+    metadata = getattr(pending, "metadata", None)
+    return str(getattr(metadata, "internal_request_id", id(pending)))
 
 
 def _cache_salt(pending: PendingRequest | None) -> str | None:
