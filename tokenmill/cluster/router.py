@@ -82,12 +82,11 @@ class PrefixAffinityRouter(RequestRouter):
             return [[by_id[r] for r in two_choices(sorted(by_id), self._rng)]] if by_id else []
         if set(self._ring.replicas) != set(by_id):
             self._ring = HashRing(by_id)
-        placing = self._placing_counts(pending_request)
+        placing, placing_tokens = self._not_yet_sent(pending_request)
         loads = {rid: self._in_flight(r) + placing[rid] for rid, r in by_id.items()}
         uncached = self._uncached(pending_request, by_id)
         if uncached:  # the replicas report what they hold and their backlogs
-            placed = self._placing_tokens(pending_request)
-            backlog = {rid: self._backlog(rid, r) + placed[rid] + uncached[rid] for rid, r in by_id.items()}
+            backlog = {rid: self._backlog(rid, r) + placing_tokens[rid] + uncached[rid] for rid, r in by_id.items()}
             ranked = soonest_first(self._ring.order(key), backlog, loads, self.load_factor)
         else:
             ranked = bounded_order(self._ring.order(key), loads, self.load_factor)
@@ -111,24 +110,21 @@ class PrefixAffinityRouter(RequestRouter):
             if not tokens:
                 del sent[1][internal_request_id]
 
-    def _placing_tokens(self, pending: PendingRequest | None) -> Counter[str]:
-        """The prompt tokens of the requests placed but not yet accepted, by their first choice, other than
-        `pending`'s own."""
-        own = id(pending) if pending is not None else None
-        placed: Counter[str] = Counter()
-        for key, (_, choice, _, uncached) in self._placing.items():
-            if key != own and choice in uncached:
-                placed[choice] += uncached[choice]
-        return placed
-
-    def _placing_counts(self, pending: PendingRequest | None) -> Counter[str]:
-        """The first choices of the requests placed but not yet accepted, by replica, other than `pending`'s own
-        (ranked again after a refusal); placements older than PLACING_TIMEOUT_S are dropped."""
+    def _not_yet_sent(self, pending: PendingRequest | None) -> tuple[Counter[str], Counter[str]]:
+        """The requests placed but not yet accepted, other than `pending`'s own (ranked again after a refusal), by
+        their first choice: how many, and their prompt tokens there. Placements older than PLACING_TIMEOUT_S are
+        dropped."""
         now = time.monotonic()
         for stale in [key for key, (_, _, at, _) in self._placing.items() if now - at > PLACING_TIMEOUT_S]:
             del self._placing[stale]
         own = id(pending) if pending is not None else None
-        return Counter(choice for key, (_, choice, _, _) in self._placing.items() if key != own)
+        counts: Counter[str] = Counter()
+        tokens: Counter[str] = Counter()
+        for key, (_, choice, _, uncached) in self._placing.items():
+            if key != own:
+                counts[choice] += 1
+                tokens[choice] += uncached.get(choice, 0)
+        return counts, tokens
 
     def _uncached(self, pending: PendingRequest | None, by_id: dict[str, RunningReplica]) -> dict[str, int]:
         """The prompt tokens each replica would compute for this prompt, by the leading blocks it reported holding;
