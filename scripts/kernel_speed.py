@@ -27,9 +27,9 @@ import time
 import gguf
 import torch
 
-from tokenmill.bench.bandwidth import READ_BYTES, measure_read_gb_s
+from tokenmill.bench.bandwidth import measure_read_gb_s, read_buffer
 from tokenmill.bench.busy import busy_process
-from tokenmill.kernels import ops
+from tokenmill.kernels import huge_pages, ops
 from tokenmill.model.loading.loader import cache_root, packaged_gguf
 
 TENSORS = ("token_embd.weight", "blk.0.attn_q.weight", "blk.0.ffn_gate.weight", "blk.0.ffn_down.weight")
@@ -80,12 +80,12 @@ def cold(args: argparse.Namespace) -> None:
     """Each named tensor of every layer (or the one tensor of that name) once per round, rows × its columns, from
     memory; the float32 sum's read speed just before and after each round."""
     reader = gguf.GGUFReader(args.model or str(packaged_gguf(cache_root(None))))
-    weights = []
+    weights, arena = [], huge_pages.Arena()  # held as a model holds them (model/gguf_linear.py's Regrouping)
     for t in reader.tensors:
         if any(t.name == name or t.name.endswith("." + name) for name in args.tensor):
             raw = torch.from_numpy(t.data.copy())
             n, k, kind = raw.shape[0], int(t.shape[0]), int(t.tensor_type)
-            weights.append((ops.gguf_repack(raw, kind, k), kind, n, k))
+            weights.append((ops.gguf_repack(raw, kind, k, arena.empty(ops.gguf_packed_bytes(kind, n, k))), kind, n, k))
     if not weights:
         raise SystemExit(f"no tensor named {args.tensor}")
     total = sum(w.numel() for w, *_ in weights)
@@ -95,7 +95,7 @@ def cold(args: argparse.Namespace) -> None:
     }
     outs = {n: torch.empty(args.rows[0], n) for _, _, n, _ in weights}
     rounds: dict[bool, list[tuple[float, float]]] = {True: [], False: []}  # fast memory → (kernel, sum) GB/s
-    summed = torch.ones(READ_BYTES // 4)  # the sum's tensor, written once
+    summed = read_buffer()  # the sum's tensor, written once
     end = time.monotonic() + args.seconds
     while time.monotonic() < end:
         before = measure_read_gb_s(repeats=1, over=summed)

@@ -14,6 +14,7 @@ import torch
 
 from tests.bench.fake_openai import FakeOpenAI
 from tests.gguf_writer import write_gguf_file
+from tests.memory_maps import linux_only, vm_flags
 from tests.tiny_model import write_tiny_gguf
 from tokenmill.bench import bandwidth, run
 from tokenmill.bench.load import LoadSettings, bench_url
@@ -28,6 +29,13 @@ def test_the_measurement_is_a_finite_speed_and_leaves_torch_threads_as_they_were
     assert 0 < gb_s < math.inf and torch.get_num_threads() == threads
     again = bandwidth.measure_read_gb_s(repeats=2, threads=1, over=torch.ones(8 << 20))  # a tensor kept for the loop
     assert 0 < again < math.inf and torch.get_num_threads() == threads
+
+
+@linux_only
+def test_the_sum_reads_memory_held_as_the_weights_are() -> None:
+    summed = bandwidth.read_buffer(8 << 20)
+    assert summed.dtype == torch.float32 and summed.numel() == 2 << 20 and float(summed.sum()) == 2 << 20
+    assert "hg" in vm_flags(summed.data_ptr())  # advised for huge pages, as model/gguf_linear.py's Regrouping's
 
 
 @pytest.mark.parametrize("quantize", [False, True])
@@ -71,6 +79,7 @@ def test_each_pass_is_held_to_the_bandwidth_measured_around_it(tmp_path: Path) -
     assert meta == {
         "memory_read_gb_s": 20.0,  # the median of every figure
         "memory_read_gb_s_range": [10.0, 34.0],
+        "memory_read_pages": "huge",  # what bandwidth.read_buffer holds the sum's gigabyte in
         "weight_bytes": weight_bytes,
         "bandwidth_limit_tok_s": 20e9 / weight_bytes,
     }

@@ -125,6 +125,20 @@ def test_the_readme_must_have_its_figure_lines() -> None:
         render.with_summary("# a README without markers\n", "| table |")
 
 
+def test_the_machine_line_takes_the_runs_that_summed_over_huge_pages(tmp_path: Path) -> None:
+    bench_dir = tmp_path / "bench"
+    write_runs(bench_dir)
+    page = render.render(render.load_runs(bench_dir))
+    assert "18.4 GB/s (a float32 sum over 1 GiB on every core" in page  # small pages: nothing said of them
+    newer = bench_run(SPR, {"tokenmill": TOKENMILL}, "2026-12-07T11:00:00Z", 29.0)
+    newer["meta"]["model"] = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    newer["meta"]["memory_read_pages"] = "huge"
+    (bench_dir / "intel-xeon-platinum-8488c-sapphirerapids-amx-2c--qwen.json").write_text(json.dumps(newer))
+    page = render.render(render.load_runs(bench_dir))
+    assert "29.0 GB/s (a float32 sum over 1 GiB in huge pages on every core" in page
+    assert "32.9 GB/s (a float32 sum over 1 GiB on every core" in page  # the other machine's runs as they were
+
+
 def test_a_run_written_before_meta_described_its_machine_is_refused(tmp_path: Path) -> None:
     (tmp_path / "old.json").write_text(json.dumps({"meta": {"command": "tokenmill bench"}, "figures": {}}))
     with pytest.raises(ValueError, match="old.json"):

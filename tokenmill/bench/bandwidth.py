@@ -6,6 +6,10 @@ single-stream runs, with the servers idle, and reports, per server, the share of
 reaches for the bytes a step reads from the GGUF file, against the figures around its own runs: on a shared machine the bandwidth
 drifts by the minute (by a third and more within a quarter of an hour), so a figure from another moment, let alone
 another day, would not do.
+
+The sum reads memory held as the weights are (kernels/huge_pages.py: in huge pages where the system has them), so
+that the limit is what the machine gives the weights: in small pages the translations of a gigabyte cost a share of
+the speed on some machines, virtual ones above all.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ def measure_read_gb_s(
     import torch
 
     # written before timing, so that every page is backed
-    x = over if over is not None else torch.ones(size_bytes // 4, dtype=torch.float32)
+    x = over if over is not None else read_buffer(size_bytes)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads or cpu_cores())
     try:
@@ -44,6 +48,16 @@ def measure_read_gb_s(
     finally:
         torch.set_num_threads(previous)
     return x.numel() * 4 / best / 1e9
+
+
+def read_buffer(size_bytes: int = READ_BYTES) -> torch.Tensor:
+    """A float32 tensor of `size_bytes` for measure_read_gb_s to sum, written, in memory held as the weights are."""
+    import torch
+
+    from tokenmill.kernels import huge_pages
+
+    x = huge_pages.empty(size_bytes // 4 * 4).view(torch.float32)
+    return x.fill_(1.0)
 
 
 def gguf_weight_bytes(path: str) -> int:

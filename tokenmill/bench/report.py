@@ -64,7 +64,8 @@ def bandwidth_line(meta: dict[str, Any]) -> str:
     """What the bandwidth limit is made of: the measured read speed and the file's weight bytes."""
     low, high = meta.get("memory_read_gb_s_range") or (meta["memory_read_gb_s"],) * 2
     return (
-        f"memory read {meta['memory_read_gb_s']:.1f} GB/s, {low:.1f}–{high:.1f} (a float32 sum over 1 GiB on every "
+        f"memory read {meta['memory_read_gb_s']:.1f} GB/s, {low:.1f}–{high:.1f} (a float32 sum over 1 GiB"
+        f"{' in huge pages' if meta.get('memory_read_pages') == 'huge' else ''} on every "
         f"core, best of 5, just before and after each single-stream run; each share is against the bandwidth "
         f"around its own run); weights a step reads {meta['weight_bytes'] / 1e6:.0f} MB: single-stream limit at the "
         f"median {meta['bandwidth_limit_tok_s']:.1f} tok/s, each weight read once per token"

@@ -530,6 +530,7 @@ def _bandwidth_limit(
     return {
         "memory_read_gb_s": gb_s,
         "memory_read_gb_s_range": [min(read_gb_s), max(read_gb_s)],
+        "memory_read_pages": "huge",  # bandwidth.read_buffer's; runs without this field summed over small pages
         "weight_bytes": weight_bytes,
         "bandwidth_limit_tok_s": limit,
     }

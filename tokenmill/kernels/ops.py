@@ -337,10 +337,11 @@ def gguf_packed_empty(ggml_type: int, n: int, k: int) -> torch.Tensor:
     return torch.empty(gguf_packed_bytes(ggml_type, n, k), dtype=torch.uint8)
 
 
-def gguf_repack(weight: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
+def gguf_repack(weight: torch.Tensor, ggml_type: int, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """The file's (N, row bytes) blocks regrouped in 16-column groups for gguf_matmul (gguf_packed.h says how;
-    about as many bytes per column), N padded to a multiple of 16."""
-    out = gguf_packed_empty(ggml_type, weight.shape[0], k)
+    about as many bytes per column), N padded to a multiple of 16; into `out` (uint8, gguf_packed_bytes long) where
+    given, e.g. memory from a huge_pages.Arena, as a model holds its weights."""
+    out = gguf_packed_empty(ggml_type, weight.shape[0], k) if out is None else out
     gguf_repack_all([RepackJob(weight.contiguous(), ggml_type, k, out, 0)])
     return out
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tokenmill.kernels import ops
+from tokenmill.kernels import huge_pages, ops
 from tokenmill.model import gguf_quant
 
 
@@ -44,10 +44,16 @@ def native(weight: GgufWeight) -> bool:
 class Regrouping:
     """The regroupings that GgufLinears ask for while a model is put together, run by `run` in one C call
     (ops.gguf_repack_all): a loader that builds the tokenizer on another thread meanwhile is not held up between
-    tensors by that thread's long stretches with the GIL. Until then the modules' buffers are unwritten."""
+    tensors by that thread's long stretches with the GIL. Until then the modules' buffers are unwritten. The buffers
+    come from one arena of huge pages (kernels/huge_pages.py): every decode step streams them."""
 
     def __init__(self) -> None:
         self._jobs: list[ops.RepackJob] = []
+        self._arena = huge_pages.Arena()
+
+    def empty(self, ggml_type: int, n: int, k: int) -> torch.Tensor:
+        """An unwritten buffer for N rows of K weights of `ggml_type` in the kernel's layout."""
+        return self._arena.empty(ops.gguf_packed_bytes(ggml_type, n, k))
 
     def add(self, part: GgufWeight, out: torch.Tensor, at: int) -> None:
         # a file's pages, read once to regroup, are dropped as each is done: the page cache keeps them, RSS need not
@@ -88,14 +94,14 @@ class GgufLinear(nn.Module):
         own = regrouping is None
         regrouping = regrouping or Regrouping()
         for i, run in enumerate(runs):  # a run of parts of one type regrouped as one, each into its own groups
-            out = ops.gguf_packed_empty(self.types[i], self.rows[i], self.k)
+            out = regrouping.empty(self.types[i], self.rows[i], self.k)
             at = 0
             for part in run:
                 regrouping.add(part, out, at)
                 at += ops.gguf_packed_bytes(part.ggml_type, part.rows, part.k)
             self.register_buffer(f"part{i}", out)
         if greedy_copy and len(parts) == 1 and parts[0].ggml_type == gguf_quant.Q8_0:
-            self.high6 = ops.gguf_packed_empty(ops.GGUF_Q8_0_HIGH6, self.out_features, self.k)
+            self.high6 = regrouping.empty(ops.GGUF_Q8_0_HIGH6, self.out_features, self.k)
             regrouping.add(GgufWeight(ops.GGUF_Q8_0_HIGH6, parts[0].raw, self.k, parts[0].file_backed), self.high6, 0)
         if own:
             regrouping.run()
