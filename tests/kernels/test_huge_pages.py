@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import logging
+from pathlib import Path
 
+import pytest
 import torch
 
 from tests.memory_maps import linux_only, vm_flags
@@ -55,3 +58,79 @@ def test_a_tensor_keeps_its_mapping_after_the_arena_is_gone() -> None:
     del arena
     kept.fill_(3)
     assert int(kept.to(torch.int64).sum()) == 3000
+
+
+@pytest.mark.parametrize(
+    ("setting", "read", "warned"),
+    [
+        ("always [madvise] never", "madvise", False),
+        ("[always] madvise never", "always", False),
+        ("always madvise [never]", "never", True),
+    ],
+)
+def test_huge_pages_turned_off_are_said_once(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    setting: str,
+    read: str,
+    warned: bool,
+) -> None:
+    monkeypatch.setattr(huge_pages, "_checked", set())
+    path = tmp_path / "enabled"
+    path.write_text(setting + "\n")
+    assert huge_pages.thp_setting(path) == read
+    with caplog.at_level(logging.WARNING, logger=huge_pages.__name__):
+        huge_pages.warn_if_off(path)
+        huge_pages.warn_if_off(path)
+    said = [r.getMessage() for r in caplog.records if "transparent huge pages are off" in r.getMessage()]
+    assert len(said) == (1 if warned else 0)
+    assert not warned or f"echo madvise > {path}" in said[0]
+
+
+def test_a_system_without_the_setting_reads_as_unknown(tmp_path: Path) -> None:
+    assert huge_pages.thp_setting(tmp_path / "missing") is None
+
+
+def rss_kib(address: int) -> int:
+    """The resident KiB of the mapping that holds `address` (/proc/self/smaps' Rss)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(part, 16) for part in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "Rss:":
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@linux_only
+def test_pages_backed_ahead_become_the_next_arenas_and_what_it_leaves_goes_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(huge_pages, "_ahead", [])
+    huge_pages.back_ahead(8 * huge_pages.HUGE_PAGE)
+    arena = huge_pages.Arena()
+    assert huge_pages._ahead == []  # taken
+    first = arena.empty(1000)
+    assert first.data_ptr() % huge_pages.HUGE_PAGE == 0 and "hg" in vm_flags(first.data_ptr())
+    backed = rss_kib(first.data_ptr())
+    if backed < 8 * huge_pages.HUGE_PAGE // 1024:
+        pytest.skip("this kernel does not back memory ahead (MADV_POPULATE_WRITE)")
+    second = arena.empty(huge_pages.HUGE_PAGE)  # into the second huge page
+    assert second.data_ptr() == first.data_ptr() + 1024
+    arena.trim()
+    assert rss_kib(first.data_ptr()) <= 2 * huge_pages.HUGE_PAGE // 1024  # two pages carved from, six handed back
+    first.fill_(1)
+    second.fill_(2)
+    assert int(first.to(torch.int64).sum()) == 1000 and int(second[-1]) == 2
+
+
+def test_pages_backed_ahead_and_never_taken_are_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(huge_pages, "_ahead", [])
+    huge_pages.back_ahead(huge_pages.HUGE_PAGE)
+    huge_pages.drop_ahead()
+    assert huge_pages._ahead == []
+    assert huge_pages.Arena().empty(10).data_ptr() != 0  # an arena without them maps its own

@@ -10,21 +10,109 @@ than the reads gain (docs/decisions/0049-huge-pages-for-weights.md has the measu
 How: an anonymous mapping aligned to 2 MiB and advised MADV_HUGEPAGE before anything touches it, so that Linux backs
 each 2 MiB touched with one huge page where transparent huge pages are on for advised memory (its `madvise` and
 `always` settings, the usual defaults). Elsewhere (another OS, huge pages off, the advice refused) the same memory
-comes in ordinary pages: slower, never wrong. Pages are backed when first written, as torch.empty's are.
+comes in ordinary pages: slower, never wrong; where Linux says transparent huge pages are `never`, the first mapping
+logs a warning once, with the setting to change. Pages are backed when first written, as torch.empty's are.
 
 An Arena carves many tensors out of a few such mappings (a model's weights are hundreds of tensors, most far smaller
 than 2 MiB, and each would otherwise hold a huge page of its own); `empty` maps one of its own.
+
+Backed ahead: where a host backs a virtual machine's memory only as it is first written, a fresh huge page's first
+write costs milliseconds, and a gigabyte of weights adds a second to a start. `back_ahead`, which a start calls
+before its imports (they hold the GIL for over a second on one core), maps the region a model's weights will take
+and has the kernel back it on a thread of its own (MADV_POPULATE_WRITE; no GIL held); the next Arena takes it as its
+first chunk and, once the weights are written, hands back what it did not use (`trim`). Nothing here imports torch
+before a tensor is asked for.
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import mmap
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
 ALIGN = 64  # each arena tensor starts on a cache line, as torch.empty's do
 ARENA_CHUNK = 64 << 20  # bytes an arena maps at a time (a larger tensor gets a mapping of its own)
+THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")  # "always [madvise] never": the one in brackets
+_checked: set[Path] = set()  # the settings files already read: the warning is logged once a process
+
+
+def thp_setting(path: Path = THP_SETTING) -> str | None:
+    """Linux's transparent huge page setting ("always", "madvise" or "never"); None where there is no such file."""
+    try:
+        words = path.read_text().split()
+    except OSError:
+        return None
+    return next((w.strip("[]") for w in words if w.startswith("[")), None)
+
+
+def warn_if_off(path: Path = THP_SETTING) -> None:
+    """Log once that the weights will be in small pages, where Linux has transparent huge pages turned off."""
+    if path in _checked:
+        return
+    _checked.add(path)
+    if thp_setting(path) == "never":
+        log.warning(
+            "transparent huge pages are off (%s says never): the model's weights are held in small pages, which "
+            "decode reads slower on many machines; `echo madvise > %s` (as root) turns them on for the memory that "
+            "asks for them",
+            path,
+            path,
+        )
+
+
+MADV_POPULATE_WRITE = 23  # Linux 5.14's: back a range as writes would, in one call
+
+
+@dataclass
+class _Ahead:
+    """A mapping being backed ahead of the load that will carve it: its usable part is [skip, skip + size)."""
+
+    mapped: mmap.mmap
+    skip: int
+    size: int
+    thread: threading.Thread
+
+
+_ahead: list[_Ahead] = []  # backed ahead, in the order the loads will ask (back_ahead), taken by each new Arena
+
+
+def back_ahead(nbytes: int) -> None:
+    """Map `nbytes` (whole huge pages) advised for huge pages and back them on a thread of its own, for the next Arena
+    to take as its first chunk; without anonymous mappings or the advice, nothing."""
+    size = max(HUGE_PAGE, -(-nbytes // HUGE_PAGE) * HUGE_PAGE)
+    try:
+        mapped = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        view = ctypes.c_char.from_buffer(mapped)
+        start = ctypes.addressof(view)
+        del view  # the address stays valid as long as the mapping: only the export ends
+        skip = -start % HUGE_PAGE
+        mapped.madvise(mmap.MADV_HUGEPAGE, skip, size)
+    except (OSError, AttributeError, ValueError):
+        return
+    warn_if_off()
+
+    def populate() -> None:  # a failed call (an older kernel) leaves the pages to their first writes
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(start + skip), ctypes.c_size_t(size), MADV_POPULATE_WRITE)
+
+    thread = threading.Thread(target=populate, name="huge-pages-ahead", daemon=True)
+    thread.start()
+    _ahead.append(_Ahead(mapped, skip, size, thread))
+
+
+def drop_ahead() -> None:
+    """Hand back what was backed ahead and no load took (a model that kept its weights otherwise)."""
+    while _ahead:
+        _ahead.pop().thread.join()
 
 
 def empty(nbytes: int) -> torch.Tensor:
@@ -34,11 +122,14 @@ def empty(nbytes: int) -> torch.Tensor:
 
 def _mapping(nbytes: int) -> torch.Tensor:
     """A 2 MiB-aligned anonymous mapping of at least `nbytes` (whole huge pages), advised for huge pages."""
+    import torch
+
     size = max(HUGE_PAGE, -(-nbytes // HUGE_PAGE) * HUGE_PAGE)
     try:
         mapped = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except (OSError, AttributeError, ValueError):  # no anonymous mappings here: ordinary memory
         return torch.empty(size, dtype=torch.uint8)
+    warn_if_off()
     whole = torch.frombuffer(mapped, dtype=torch.uint8)  # holds the mapping open as long as a view of it lives
     skip = -whole.data_ptr() % HUGE_PAGE
     advise = getattr(mapped, "madvise", None)
@@ -55,16 +146,37 @@ class Arena:
     chunk gets a mapping of its own. A mapping is freed when the last tensor carved from it is."""
 
     def __init__(self, chunk_bytes: int = ARENA_CHUNK) -> None:
+        import torch
+
         self.chunk_bytes = chunk_bytes
         self._chunk = torch.empty(0, dtype=torch.uint8)
         self._at = 0
+        self._ahead: _Ahead | None = _ahead.pop(0) if _ahead else None  # backed ahead for this arena: its first chunk
+        if self._ahead is not None:
+            self._ahead.thread.join()
+            whole = torch.frombuffer(self._ahead.mapped, dtype=torch.uint8)
+            self._chunk = whole[self._ahead.skip : self._ahead.skip + self._ahead.size]
 
     def empty(self, nbytes: int) -> torch.Tensor:
         """`nbytes` unwritten bytes (uint8) from the current chunk, or a new one."""
+        if self._at + nbytes <= self._chunk.numel():
+            return self._carve(nbytes)
         if nbytes > self.chunk_bytes:
             return empty(nbytes)
-        if self._at + nbytes > self._chunk.numel():
-            self._chunk, self._at = _mapping(self.chunk_bytes), 0
+        self.trim()
+        self._chunk, self._at = _mapping(self.chunk_bytes), 0
+        return self._carve(nbytes)
+
+    def _carve(self, nbytes: int) -> torch.Tensor:
         out = self._chunk[self._at : self._at + nbytes]
         self._at += -(-nbytes // ALIGN) * ALIGN
         return out
+
+    def trim(self) -> None:
+        """Hand back the huge pages of the chunk backed ahead past what was carved from it (MADV_DONTNEED)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return
+        used = -(-self._at // HUGE_PAGE) * HUGE_PAGE  # the current chunk is still that one: trim runs before a new
+        if used < ahead.size:
+            ahead.mapped.madvise(mmap.MADV_DONTNEED, ahead.skip + used, ahead.size - used)

@@ -62,6 +62,7 @@ class Regrouping:
     def run(self) -> None:
         ops.gguf_repack_all(self._jobs)
         self._jobs = []
+        self._arena.trim()  # memory backed ahead for these weights and not taken goes back
 
 
 class GgufLinear(nn.Module):

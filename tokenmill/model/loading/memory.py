@@ -1,9 +1,13 @@
-"""Giving freed heap memory back to the operating system (glibc), so the process's RSS shows what it really holds."""
+"""Giving freed heap memory back to the operating system (glibc), so the process's RSS shows what it really holds;
+and backing the huge pages a GGUF model's weights will take ahead of its load."""
 
 from __future__ import annotations
 
 import ctypes
 import mmap
+from pathlib import Path
+
+from tokenmill.kernels import huge_pages
 
 
 def release_freed_memory() -> None:
@@ -29,3 +33,14 @@ def unmap_file_pages(begin: int, end: int) -> None:
         ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
     except (OSError, AttributeError):
         pass
+
+
+def back_weights_ahead(gguf: Path) -> None:
+    """Begin backing the huge pages a GGUF model's regrouped weights will take (kernels/huge_pages.back_ahead): about
+    the file's size (a head's 6-bit copy gets pages of its own; what the weights do not take goes back after them)."""
+    huge_pages.back_ahead(gguf.stat().st_size)
+
+
+def drop_weights_ahead() -> None:
+    """Hand back pages backed ahead that no load took."""
+    huge_pages.drop_ahead()
