@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.memory_maps import linux_only, vm_flags
+from tests.memory_maps import linux_only, rss_kib, vm_flags
 from tokenmill.kernels import huge_pages
 from tokenmill.model.gguf_linear import Regrouping
 
@@ -90,20 +90,6 @@ def test_huge_pages_turned_off_are_said_once(
 
 def test_a_system_without_the_setting_reads_as_unknown(tmp_path: Path) -> None:
     assert huge_pages.thp_setting(tmp_path / "missing") is None
-
-
-def rss_kib(address: int) -> int:
-    """The resident KiB of the mapping that holds `address` (/proc/self/smaps' Rss)."""
-    inside = False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                start, end = (int(part, 16) for part in head.split("-"))
-                inside = start <= address < end
-            elif inside and head == "Rss:":
-                return int(line.split()[1])
-    raise AssertionError(f"no mapping holds {address:#x}")
 
 
 @linux_only
