@@ -120,3 +120,27 @@ def test_pages_backed_ahead_and_never_taken_are_dropped(monkeypatch: pytest.Monk
     huge_pages.drop_ahead()
     assert huge_pages._ahead == []
     assert huge_pages.Arena().empty(10).data_ptr() != 0  # an arena without them maps its own
+
+
+def test_without_anonymous_mappings_the_memory_is_ordinary(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refused(*args: object, **kwargs: object) -> None:
+        raise OSError("no anonymous mappings here")
+
+    monkeypatch.setattr(huge_pages.mmap, "mmap", refused)
+    monkeypatch.setattr(huge_pages, "_ahead", [])
+    buffer = huge_pages.empty(3000)
+    buffer.fill_(5)
+    assert buffer.numel() == 3000 and int(buffer.to(torch.int64).sum()) == 15000
+    huge_pages.back_ahead(huge_pages.HUGE_PAGE)
+    assert huge_pages._ahead == []  # nothing to back
+
+
+def test_memory_the_kernel_will_not_advise_is_used_but_not_backed_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(huge_pages.mmap, "MADV_HUGEPAGE")
+    monkeypatch.setattr(huge_pages, "_ahead", [])
+    huge_pages.back_ahead(huge_pages.HUGE_PAGE)
+    assert huge_pages._ahead == []
+    buffer = huge_pages.empty(huge_pages.HUGE_PAGE + 1)
+    assert buffer.data_ptr() % huge_pages.HUGE_PAGE == 0
+    buffer.fill_(1)
+    assert int(buffer.to(torch.int64).sum()) == huge_pages.HUGE_PAGE + 1

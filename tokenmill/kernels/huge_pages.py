@@ -74,12 +74,51 @@ MADV_POPULATE_WRITE = 23  # Linux 5.14's: back a range as writes would, in one c
 
 
 @dataclass
-class _Ahead:
-    """A mapping being backed ahead of the load that will carve it: its usable part is [skip, skip + size)."""
+class _Region:
+    """Whole huge pages within an anonymous mapping: [skip, skip + size) of `mapped`, starting on a 2 MiB boundary."""
 
     mapped: mmap.mmap
     skip: int
     size: int
+    advised: bool  # MADV_HUGEPAGE taken: false where the kernel has no transparent huge pages
+
+    def tensor(self) -> torch.Tensor:
+        """The region as uint8 bytes; each view holds the mapping open as long as it lives."""
+        import torch
+
+        return torch.frombuffer(self.mapped, dtype=torch.uint8)[self.skip : self.skip + self.size]
+
+
+def _whole_pages(nbytes: int) -> int:
+    """`nbytes` rounded up to whole huge pages, at least one."""
+    return max(HUGE_PAGE, -(-nbytes // HUGE_PAGE) * HUGE_PAGE)
+
+
+def _map(nbytes: int) -> _Region | None:
+    """At least `nbytes` (whole huge pages) of a fresh anonymous mapping, aligned to 2 MiB and advised for huge pages
+    before anything touches them; None where there are no anonymous mappings."""
+    size = _whole_pages(nbytes)
+    try:
+        mapped = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except (OSError, AttributeError, ValueError):
+        return None
+    warn_if_off()
+    view = ctypes.c_char.from_buffer(mapped)
+    skip = -ctypes.addressof(view) % HUGE_PAGE
+    del view  # the address stays valid as long as the mapping: only the export ends
+    try:
+        mapped.madvise(mmap.MADV_HUGEPAGE, skip, size)
+        advised = True
+    except (OSError, AttributeError):  # no such advice here: the mapping still works, in small pages
+        advised = False
+    return _Region(mapped, skip, size, advised)
+
+
+@dataclass
+class _Ahead:
+    """A region being backed ahead of the load that will carve it."""
+
+    region: _Region
     thread: threading.Thread
 
 
@@ -89,24 +128,19 @@ _ahead: list[_Ahead] = []  # backed ahead, in the order the loads will ask (back
 def back_ahead(nbytes: int) -> None:
     """Map `nbytes` (whole huge pages) advised for huge pages and back them on a thread of its own, for the next Arena
     to take as its first chunk; without anonymous mappings or the advice, nothing."""
-    size = max(HUGE_PAGE, -(-nbytes // HUGE_PAGE) * HUGE_PAGE)
-    try:
-        mapped = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        view = ctypes.c_char.from_buffer(mapped)
-        start = ctypes.addressof(view)
-        del view  # the address stays valid as long as the mapping: only the export ends
-        skip = -start % HUGE_PAGE
-        mapped.madvise(mmap.MADV_HUGEPAGE, skip, size)
-    except (OSError, AttributeError, ValueError):
+    region = _map(nbytes)
+    if region is None or not region.advised:
         return
-    warn_if_off()
+    view = ctypes.c_char.from_buffer(region.mapped)
+    start = ctypes.addressof(view) + region.skip
+    del view
 
     def populate() -> None:  # a failed call (an older kernel) leaves the pages to their first writes
-        ctypes.CDLL(None).madvise(ctypes.c_void_p(start + skip), ctypes.c_size_t(size), MADV_POPULATE_WRITE)
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(region.size), MADV_POPULATE_WRITE)
 
     thread = threading.Thread(target=populate, name="huge-pages-ahead", daemon=True)
     thread.start()
-    _ahead.append(_Ahead(mapped, skip, size, thread))
+    _ahead.append(_Ahead(region, thread))
 
 
 def drop_ahead() -> None:
@@ -121,24 +155,14 @@ def empty(nbytes: int) -> torch.Tensor:
 
 
 def _mapping(nbytes: int) -> torch.Tensor:
-    """A 2 MiB-aligned anonymous mapping of at least `nbytes` (whole huge pages), advised for huge pages."""
-    import torch
+    """A 2 MiB-aligned mapping of at least `nbytes` (whole huge pages) as a tensor; ordinary memory where there are
+    no anonymous mappings."""
+    region = _map(nbytes)
+    if region is None:
+        import torch
 
-    size = max(HUGE_PAGE, -(-nbytes // HUGE_PAGE) * HUGE_PAGE)
-    try:
-        mapped = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    except (OSError, AttributeError, ValueError):  # no anonymous mappings here: ordinary memory
-        return torch.empty(size, dtype=torch.uint8)
-    warn_if_off()
-    whole = torch.frombuffer(mapped, dtype=torch.uint8)  # holds the mapping open as long as a view of it lives
-    skip = -whole.data_ptr() % HUGE_PAGE
-    advise = getattr(mapped, "madvise", None)
-    if advise is not None and hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            advise(mmap.MADV_HUGEPAGE, skip, size)
-        except OSError:  # a kernel without transparent huge pages: the mapping still works in small pages
-            pass
-    return whole[skip : skip + size]
+        return torch.empty(_whole_pages(nbytes), dtype=torch.uint8)
+    return region.tensor()
 
 
 class Arena:
@@ -154,8 +178,7 @@ class Arena:
         self._ahead: _Ahead | None = _ahead.pop(0) if _ahead else None  # backed ahead for this arena: its first chunk
         if self._ahead is not None:
             self._ahead.thread.join()
-            whole = torch.frombuffer(self._ahead.mapped, dtype=torch.uint8)
-            self._chunk = whole[self._ahead.skip : self._ahead.skip + self._ahead.size]
+            self._chunk = self._ahead.region.tensor()
 
     def empty(self, nbytes: int) -> torch.Tensor:
         """`nbytes` unwritten bytes (uint8) from the current chunk, or a new one."""
@@ -177,6 +200,7 @@ class Arena:
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return
+        region = ahead.region
         used = -(-self._at // HUGE_PAGE) * HUGE_PAGE  # the current chunk is still that one: trim runs before a new
-        if used < ahead.size:
-            ahead.mapped.madvise(mmap.MADV_DONTNEED, ahead.skip + used, ahead.size - used)
+        if used < region.size:
+            region.mapped.madvise(mmap.MADV_DONTNEED, region.skip + used, region.size - used)
