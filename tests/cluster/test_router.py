@@ -85,11 +85,11 @@ def test_calls_without_prompt_ids_are_routed_too() -> None:
     assert choose(router, [], pending(SHARED)) == []
 
 
-def held(ids: list[int], blocks: int, salt: str | None = None) -> list[int]:
+def held(ids: list[int], blocks: int, salt: str | None = None, adapter: str | None = None) -> list[int]:
     """What a replica holding the first `blocks` blocks of `ids` reports (EngineReplica.record_routing_stats)."""
     from tokenmill.engine.kv_cache import PrefixHashes
 
-    chain = PrefixHashes(salt)
+    chain = PrefixHashes(salt, adapter)
     return [int.from_bytes(chain.block(i, ids, 16)[:8], "little") for i in range(blocks)]
 
 
@@ -157,6 +157,28 @@ def test_held_blocks_count_only_under_the_load_bound_and_with_the_same_salt() ->
     assert choose(router, four, salted)[0] == [holder.replica_id.unique_id]
     router.replica_queue_len_cache.update(holder.replica_id, 12)  # over the bound: the ring decides again
     assert choose(router, four, salted)[0] != [holder.replica_id.unique_id]
+
+
+def test_a_lora_requests_blocks_are_found_under_its_adapters_digest_on_the_replicas_that_load_it() -> None:
+    four = replicas(4)
+    history = SHARED + list(range(500, 564))
+    prompt = history + [7, 8, 9]
+
+    def first_for(adapter: str | None) -> list[str]:  # a fresh router each time: no placement of the last counts
+        request = SimpleNamespace(
+            args=["id", prompt, SimpleNamespace(cache_salt=None, adapter=adapter)],
+            routing_context=SimpleNamespace(should_backoff=False),
+        )
+        return choose(make_router(block_size=16), four, request, accept=False)[0]
+
+    ring_first = first_for("sql")
+    holder, plain, elsewhere = (r for r in four if [r.replica_id.unique_id] != ring_first)
+    holder.routing_stats = {"prefix_blocks": held(history, 5, adapter="d-sql"), "adapter_digests": {"sql": "d-sql"}}
+    plain.routing_stats = {"prefix_blocks": held(history, 5), "adapter_digests": {}}  # the prompt without adapter
+    elsewhere.routing_stats = {"prefix_blocks": held(history, 5, adapter="d-sql")}  # reports no such adapter
+    assert first_for("sql") == [holder.replica_id.unique_id]
+    assert first_for(None) == [plain.replica_id.unique_id]
+    assert first_for("chat") == ring_first  # held by none: the ring decides
 
 
 def test_a_burst_placed_before_any_request_is_sent_still_spreads_by_the_load_bound() -> None:

@@ -195,6 +195,41 @@ def test_kv_made_under_an_adapter_is_never_another_requests(case: Case) -> None:
     assert cached[:3] == [0, 0, 0] and cached[3] > 0
 
 
+def test_a_replica_reports_an_adapters_blocks_as_the_router_keys_them(case: Case) -> None:
+    """What a replica tells the router of a request served under an adapter: the adapter's digest, from which the
+    router keys that request's blocks (cluster/router.py) to the very keys the engine cached them under."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from tokenmill.cluster.replica import EngineReplica
+    from tokenmill.cluster.router import ADAPTER_DIGESTS, HELD_BLOCKS, block_keys
+    from tokenmill.engine.engine import AsyncEngine
+
+    if case.family != "gemma3":
+        pytest.skip("the keys do not hang on the family: one is enough")
+    core = core_for(case, case.adapters)
+    prompt = PROMPT * 4
+
+    async def serve_one() -> dict[str, Any]:
+        engine = AsyncEngine(core, "tiny", "fp_tiny")
+        await engine.start()
+        try:
+            async for _ in engine.generate("r", prompt, SamplingParams(max_tokens=1, adapter="peft")):
+                pass
+            return await EngineReplica.record_routing_stats(SimpleNamespace(engine=engine))  # type: ignore[arg-type]
+        finally:
+            await engine.stop()
+
+    stats = asyncio.run(asyncio.wait_for(serve_one(), timeout=120))
+    digests = stats[ADAPTER_DIGESTS]
+    assert set(digests) == {"peft", "gguf"} and digests["peft"] != digests["gguf"]
+    size = core.blocks.block_size
+    under_it = block_keys(prompt + [3], None, size, adapter=digests["peft"])
+    assert len(under_it) == len(prompt) // size and set(under_it) <= set(stats[HELD_BLOCKS])
+    assert not set(block_keys(prompt + [3], None, size)) & set(stats[HELD_BLOCKS])  # no adapter: other keys
+    assert not set(block_keys(prompt + [3], None, size, adapter=digests["gguf"])) & set(stats[HELD_BLOCKS])
+
+
 def test_a_gguf_file_in_int8_serves_adapters_and_caches_its_weights_without_them(tmp_path: Path) -> None:
     """A GGUF file served in int8 is quantised at its first start and the prepared weights cached: with adapters the
     linears are wrapped, yet the cache holds the model's own names, so the next start reads it."""

@@ -23,7 +23,7 @@ from typing import Any
 from ray import serve
 
 from tokenmill.api.logs import configure_logging
-from tokenmill.cluster.router import HELD_BLOCKS, PREFILL_BACKLOG
+from tokenmill.cluster.router import ADAPTER_DIGESTS, HELD_BLOCKS, PREFILL_BACKLOG
 from tokenmill.config import Config
 from tokenmill.engine.core import EngineStats
 from tokenmill.engine.engine import AsyncEngine
@@ -105,13 +105,18 @@ class EngineReplica:
             yield output
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """Ray Serve's routing stats (every ROUTING_STATS_PERIOD_S): the prefix blocks this replica holds and the
-        prompt tokens it has yet to prefill, for the router (cluster/router.py), read between two engine steps."""
+        """Ray Serve's routing stats (every ROUTING_STATS_PERIOD_S): the prefix blocks this replica holds, the
+        prompt tokens it has yet to prefill, and the digests its LoRA adapters' blocks are keyed from, for the router
+        (cluster/router.py), read between two engine steps."""
         core = self.engine.core
-        keys, backlog = await self.engine.between_steps(
-            lambda: (core.blocks.held_keys(REPORTED_BLOCKS), core.prefill_backlog())
+        keys, backlog, adapters = await self.engine.between_steps(
+            lambda: (core.blocks.held_keys(REPORTED_BLOCKS), core.prefill_backlog(), core.loaded_adapters())
         )
-        return {HELD_BLOCKS: [int.from_bytes(key[:8], "little") for key in keys], PREFILL_BACKLOG: backlog}
+        return {
+            HELD_BLOCKS: [int.from_bytes(key[:8], "little") for key in keys],
+            PREFILL_BACKLOG: backlog,
+            ADAPTER_DIGESTS: {adapter.name: adapter.digest for adapter in adapters},
+        }
 
     def describe(self) -> ReplicaInfo:
         engine = self.engine

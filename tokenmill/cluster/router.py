@@ -17,8 +17,10 @@ plus the tokens of the requests this router has sent it since its report that ar
 the prompt it does not hold (affinity.soonest_first). So a conversation's next round goes where its history is,
 though every prompt starts with the same system prompt and so the same first block, unless the queue there is longer
 than recomputing the history elsewhere. The prompt's blocks are keyed as the engine keys them (engine/kv_cache.py:
-SHA-256 chains from the request's cache_salt), the first 8 bytes of each. The reports are up to a period old: a
-block cached since is found at the next.
+SHA-256 chains from the request's cache_salt and, for a request naming a LoRA adapter, the digest of that adapter's
+weights, which each replica reports beside its blocks), the first 8 bytes of each. A replica that has not reported
+the named adapter holds none of its blocks. The reports are up to a period old: a block cached since is found at the
+next.
 
 The router lives in the process of the handle's owner: the ingress, which sends every request, so its loads are
 the whole story on one ingress replica.
@@ -45,9 +47,10 @@ from tokenmill.cluster.affinity import (
 from tokenmill.engine.kv_cache import PrefixHashes
 
 PROMPT_ARG = 1  # EngineReplica.generate's positional argument that holds the prompt's token ids
-PARAMS_ARG = 2  # ... and its SamplingParams (the cache_salt its blocks' keys start from)
+PARAMS_ARG = 2  # ... and its SamplingParams (the cache_salt and adapter its blocks' keys start from)
 HELD_BLOCKS = "prefix_blocks"  # the routing stats' entry: the first 8 bytes of each held block's key, as an int
 PREFILL_BACKLOG = "prefill_backlog"  # ... and the prompt tokens the replica has yet to prefill (its engine's count)
+ADAPTER_DIGESTS = "adapter_digests"  # ... and each loaded LoRA adapter's name -> the digest its keys chain from
 MAX_PROMPT_BLOCKS = 512  # leading blocks of a prompt looked up (8,192 tokens of 16)
 # A placement Ray has not confirmed (on_request_routed) within this long is forgotten: the request was cancelled,
 # or it is still waiting for room and will be ranked again, which places it afresh.
@@ -132,8 +135,18 @@ class PrefixAffinityRouter(RequestRouter):
         if not any(_stats(r) for r in by_id.values()):
             return {}
         ids = _prompt_ids(pending)
-        keys = block_keys(ids, _cache_salt(pending), self.block_size)
-        return {rid: len(ids) - _leading(keys, self._held_set(rid, r)) * self.block_size for rid, r in by_id.items()}
+        salt, adapter = _param(pending, "cache_salt"), _param(pending, "adapter")
+        keys_by_digest: dict[str | None, list[int]] = {}  # replicas that loaded the same adapter key alike
+        uncached = {}
+        for rid, replica in by_id.items():
+            digest = None if adapter is None else (_stats(replica).get(ADAPTER_DIGESTS) or {}).get(adapter)
+            if adapter is not None and digest is None:  # not loaded there, as far as its report says: nothing held
+                uncached[rid] = len(ids)
+                continue
+            if digest not in keys_by_digest:
+                keys_by_digest[digest] = block_keys(ids, salt, self.block_size, adapter=digest)
+            uncached[rid] = len(ids) - _leading(keys_by_digest[digest], self._held_set(rid, replica)) * self.block_size
+        return uncached
 
     def _backlog(self, rid: str, replica: RunningReplica) -> int:
         """The prompt tokens the replica reported it has yet to prefill, and those of the requests this router has
@@ -159,13 +172,18 @@ class PrefixAffinityRouter(RequestRouter):
 
 
 def block_keys(
-    ids: Sequence[int], salt: str | None, block_size: int, limit: int | None = MAX_PROMPT_BLOCKS
+    ids: Sequence[int],
+    salt: str | None,
+    block_size: int,
+    limit: int | None = MAX_PROMPT_BLOCKS,
+    adapter: str | None = None,
 ) -> list[int]:
     """The first 8 bytes of the prefix-cache key of each whole block before the prompt's last token (the engine
-    always computes that one), as an int, up to `limit` (None: all)."""
+    always computes that one), as an int, up to `limit` (None: all); `adapter`: the digest of the LoRA adapter's
+    weights, for a request that names one."""
     count = (len(ids) - 1) // block_size if block_size > 0 else 0
     count = count if limit is None else min(count, limit)
-    chain = PrefixHashes(salt)
+    chain = PrefixHashes(salt, adapter)
     return [int.from_bytes(chain.block(i, ids, block_size)[:8], "little") for i in range(count)]
 
 
@@ -188,11 +206,12 @@ def _request_id(pending: PendingRequest) -> str:
     return str(getattr(metadata, "internal_request_id", id(pending)))
 
 
-def _cache_salt(pending: PendingRequest | None) -> str | None:
+def _param(pending: PendingRequest | None, name: str) -> str | None:
+    """A string field of the call's SamplingParams (cache_salt, adapter); None where it has none."""
     if pending is None or len(pending.args) <= PARAMS_ARG:
         return None
-    salt = getattr(pending.args[PARAMS_ARG], "cache_salt", None)
-    return salt if isinstance(salt, str) else None
+    value = getattr(pending.args[PARAMS_ARG], name, None)
+    return value if isinstance(value, str) else None
 
 
 def _prompt_ids(pending: PendingRequest | None) -> Sequence[int]:
