@@ -141,7 +141,7 @@ class Router:
             return min(two_choices(self.names, self.rng), key=loads.__getitem__)
         order = self._orders.get(arrival.key) or self._orders.setdefault(arrival.key, self.ring.order(arrival.key))
         backlog = {
-            name: self.backlog(name) + arrival.prompt_tokens - self.cached(name, arrival.block_hashes) * self.block_size
+            name: self.backlog(name) + arrival.uncached_tokens(self.cached(name, arrival.block_hashes), self.block_size)
             for name in self.names
         }
         return soonest_first(order, backlog, loads, self.load_factor)[0]

@@ -142,7 +142,7 @@ class Replica:
         """Prompt tokens taken but not yet computed, as the engine counts them (EngineCore.prefill_backlog): those of
         each waiting prompt past what the cache holds of it now, and the rest of the prompts part-way."""
         waiting = sum(
-            f.arrival.prompt_tokens - self.cache.peek(f.arrival.block_hashes) * self.block_size for f in self.waiting
+            f.arrival.uncached_tokens(self.cache.peek(f.arrival.block_hashes), self.block_size) for f in self.waiting
         )
         return waiting + sum(f.prefill_left for f in self.prefilling)
 
@@ -197,8 +197,9 @@ class Replica:
         heapq.heapify(self.decoding)
 
     def _admit(self, flight: Flight) -> None:
-        flight.cached_tokens = self.cache.match(flight.arrival.block_hashes) * self.block_size
-        flight.prefill_left = flight.arrival.prompt_tokens - flight.cached_tokens
+        held = self.cache.match(flight.arrival.block_hashes)
+        flight.cached_tokens = held * self.block_size
+        flight.prefill_left = flight.arrival.uncached_tokens(held, self.block_size)
         self.prefilling.append(flight)
 
     def _give(self, flight: Flight, budget: int) -> int:

@@ -72,6 +72,10 @@ class Arrival:
     key: int | None  # prefix_key of the prompt: what the router hashes onto the ring
     output_tokens: int
 
+    def uncached_tokens(self, held_blocks: int, block_size: int) -> int:
+        """The prompt tokens a replica computes for it when its cache holds the prompt's first `held_blocks`."""
+        return self.prompt_tokens - held_blocks * block_size
+
 
 def make_trace(workload: Workload, rate: float, count: int, seed: int) -> list[Arrival]:
     """`count` requests arriving as a Poisson process of `rate` per second, the same for the same seed."""
