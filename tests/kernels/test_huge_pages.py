@@ -144,3 +144,9 @@ def test_memory_the_kernel_will_not_advise_is_used_but_not_backed_ahead(monkeypa
     assert buffer.data_ptr() % huge_pages.HUGE_PAGE == 0
     buffer.fill_(1)
     assert int(buffer.to(torch.int64).sum()) == huge_pages.HUGE_PAGE + 1
+
+
+def test_a_regions_address_is_where_its_tensor_starts_on_a_huge_page_boundary() -> None:
+    region = huge_pages._map(3 * huge_pages.HUGE_PAGE + 1)
+    assert region is not None and region.size == 4 * huge_pages.HUGE_PAGE
+    assert region.address % huge_pages.HUGE_PAGE == 0 and region.tensor().data_ptr() == region.address

@@ -80,6 +80,7 @@ class _Region:
     mapped: mmap.mmap
     skip: int
     size: int
+    address: int  # where the region starts (the mapping's address plus skip)
     advised: bool  # MADV_HUGEPAGE taken: false where the kernel has no transparent huge pages
 
     def tensor(self) -> torch.Tensor:
@@ -104,14 +105,15 @@ def _map(nbytes: int) -> _Region | None:
         return None
     warn_if_off()
     view = ctypes.c_char.from_buffer(mapped)
-    skip = -ctypes.addressof(view) % HUGE_PAGE
+    start = ctypes.addressof(view)
     del view  # the address stays valid as long as the mapping: only the export ends
+    skip = -start % HUGE_PAGE
     try:
         mapped.madvise(mmap.MADV_HUGEPAGE, skip, size)
         advised = True
     except (OSError, AttributeError):  # no such advice here: the mapping still works, in small pages
         advised = False
-    return _Region(mapped, skip, size, advised)
+    return _Region(mapped, skip, size, start + skip, advised)
 
 
 @dataclass
@@ -131,12 +133,9 @@ def back_ahead(nbytes: int) -> None:
     region = _map(nbytes)
     if region is None or not region.advised:
         return
-    view = ctypes.c_char.from_buffer(region.mapped)
-    start = ctypes.addressof(view) + region.skip
-    del view
 
     def populate() -> None:  # a failed call (an older kernel) leaves the pages to their first writes
-        ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(region.size), MADV_POPULATE_WRITE)
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(region.address), ctypes.c_size_t(region.size), MADV_POPULATE_WRITE)
 
     thread = threading.Thread(target=populate, name="huge-pages-ahead", daemon=True)
     thread.start()
